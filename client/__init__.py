@@ -1,0 +1,20 @@
+"""moshpit: the trainer-side library for the moshpitd daemon."""
+
+from moshpit.client import Client, RoundInfo
+from moshpit.errors import (
+    AllreduceFailed,
+    DaemonUnavailable,
+    DuplicateRequest,
+    GroupNotFound,
+    InvalidRequest,
+    MoshpitError,
+    ProtocolError,
+    SchemaMismatch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllreduceFailed", "Client", "DaemonUnavailable", "DuplicateRequest", "GroupNotFound",
+    "InvalidRequest", "MoshpitError", "ProtocolError", "RoundInfo", "SchemaMismatch",
+]

@@ -1,0 +1,195 @@
+"""moshpit.Client: talks to the local moshpitd over its unix socket.
+
+Tensor bytes go through a memfd that both sides map; only small msgpack frames cross the socket.
+The buffer is sealed against shrinking (the daemon insists), grown by attaching a new memfd.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from moshpit.errors import DaemonUnavailable, InvalidRequest, ProtocolError, from_reply
+
+MAX_FRAME = 1 << 20
+ALIGN = 64
+_DTYPES = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """What the daemon reports about the last averaging round."""
+
+    group_size: int
+    seconds: float
+    matchmaking_seconds: float
+    bytes_sent: int
+    bytes_received: int
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[list[Any]], int]:
+    specs, offset = [], 0
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+        dtype = _DTYPES.get(t.dtype)
+        if dtype is None:
+            raise TypeError(f"tensor {i} has dtype {t.dtype}; moshpit averages "
+                            f"{', '.join(map(str, _DTYPES))}")
+        offset = (offset + ALIGN - 1) // ALIGN * ALIGN
+        specs.append([dtype, list(t.shape), offset])
+        offset += t.numel() * t.element_size()
+    return specs, max(offset, 1)
+
+
+class Client:
+    """One connection to a daemon. Thread-safe: requests are serialised."""
+
+    def __init__(self, socket_path: str, connect_timeout: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(connect_timeout)
+        try:
+            self._sock.connect(socket_path)
+        except OSError as exc:
+            self._sock.close()
+            raise DaemonUnavailable(f"cannot connect to moshpitd at {socket_path}: {exc}") from exc
+        self._mmap: mmap.mmap | None = None
+        self._size = 0
+        self._next_id = 0
+        self.last_round: RoundInfo | None = None
+        hello = self._request({"op": "hello"}, timeout=connect_timeout)
+        self.peer_id: str = str(hello.get("peer_id", ""))
+
+    # --- public API -----------------------------------------------------------------------
+    def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
+                timeout: float = 30.0, group_size: int = 16,
+                min_group_size: int = 2) -> list[torch.Tensor]:
+        """Weighted average of `tensors` with the peers averaging under `key`.
+
+        Returns new tensors (same shapes, dtypes, devices); the inputs are left untouched."""
+        tensors = list(tensors)
+        specs, size = _layout(tensors)
+        with self._lock:
+            self._ensure_buffer(size)
+            views = self._views(specs)
+            for view, t in zip(views, tensors, strict=True):
+                view.copy_(t.detach().reshape(-1))
+            reply = self._request({
+                "op": "average", "key": key, "tensors": specs, "weight": float(weight),
+                "timeout": float(timeout), "group_size": int(group_size),
+                "min_group_size": int(min_group_size),
+            }, timeout=timeout + 10.0)
+            self.last_round = RoundInfo(int(reply["group_size"]), float(reply["seconds"]),
+                                        float(reply["matchmaking_seconds"]),
+                                        int(reply["bytes_sent"]), int(reply["bytes_received"]))
+            return [v.clone().reshape(t.shape).to(t.device)
+                    for v, t in zip(views, tensors, strict=True)]
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return self._request({"op": "status"}, timeout=10.0)
+
+    def rounds(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._request({"op": "rounds"}, timeout=10.0)["rounds"])
+
+    def close(self) -> None:
+        self._sock.close()
+        self._mmap = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ------------------------------------------------------------------------
+    def _views(self, specs: list[list[Any]]) -> list[torch.Tensor]:
+        assert self._mmap is not None
+        out = []
+        for dtype, shape, offset in specs:
+            count = int(np.prod(shape)) if shape else 1
+            arr = np.frombuffer(self._mmap, dtype=dtype, count=count, offset=offset)
+            out.append(torch.from_numpy(arr))
+        return out
+
+    def _ensure_buffer(self, size: int) -> None:
+        if self._mmap is not None and self._size >= size:
+            return
+        size = max(size, 2 * self._size, mmap.PAGESIZE)
+        size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        fd = os.memfd_create("moshpit", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            buf = mmap.mmap(fd, size)
+            self._request({"op": "attach", "size": size}, timeout=10.0, fd=fd)
+        finally:
+            os.close(fd)
+        self._mmap, self._size = buf, size  # the old mapping goes when its views do
+
+    def _request(self, msg: dict[str, Any], timeout: float, fd: int | None = None) -> dict[str, Any]:
+        self._next_id += 1
+        rid = self._next_id
+        payload = msgpack.packb({**msg, "id": rid}, use_bin_type=True)
+        frame = len(payload).to_bytes(4, "big") + payload
+        try:
+            self._sock.settimeout(timeout)
+            if fd is None:
+                self._sock.sendall(frame)
+            else:
+                sent = self._sock.sendmsg(
+                    [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                )
+                if sent < len(frame):
+                    self._sock.sendall(frame[sent:])
+            deadline = time.monotonic() + timeout
+            while True:
+                reply = self._read_frame(deadline)
+                if reply.get("id") in (rid, None):
+                    break
+        except TimeoutError as exc:
+            raise DaemonUnavailable(f"no reply from moshpitd within {timeout:.1f} s") from exc
+        except OSError as exc:
+            raise DaemonUnavailable(f"lost the connection to moshpitd: {exc}") from exc
+        if not reply.get("ok"):
+            raise from_reply(reply)
+        return reply
+
+    def _read_frame(self, deadline: float) -> dict[str, Any]:
+        head = self._recv_exact(4, deadline)
+        size = int.from_bytes(head, "big")
+        if size > MAX_FRAME:
+            raise ProtocolError(f"reply frame of {size} bytes is too large")
+        obj = msgpack.unpackb(self._recv_exact(size, deadline), raw=False)
+        if not isinstance(obj, dict):
+            raise ProtocolError("reply is not a map")
+        return obj
+
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            chunk = self._sock.recv(n - got)
+            if not chunk:
+                raise DaemonUnavailable("moshpitd closed the connection")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+
+__all__ = ["Client", "RoundInfo", "InvalidRequest"]

@@ -1,0 +1,5 @@
+import sys
+
+from moshpitd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Butterfly all-reduce: pure partitioning and reduction, plus the streaming runner."""

@@ -1,0 +1,54 @@
+"""A group as every member sees it once the leader has assembled it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moshpitd.proto import moshpit_pb2 as pb
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    peer_id: bytes
+    endpoint: str
+    weight: float
+    client_mode: bool = False
+    bandwidth: float = 1.0
+
+
+@dataclass(frozen=True)
+class Group:
+    group_id: bytes
+    key: str
+    round: int
+    schema_hash: bytes
+    members: tuple[GroupMember, ...]
+
+    def index_of(self, peer_id: bytes) -> int:
+        for i, m in enumerate(self.members):
+            if m.peer_id == peer_id:
+                return i
+        raise KeyError(peer_id.hex())
+
+    @property
+    def shares(self) -> list[float]:
+        """Span shares: client-mode peers accept no connections, so they own nothing."""
+        return [0.0 if m.client_mode else max(m.bandwidth, 1e-9) for m in self.members]
+
+    def to_proto(self) -> pb.GroupInfo:
+        return pb.GroupInfo(
+            group_id=self.group_id, group_key=self.key, round=self.round,
+            schema_hash=self.schema_hash,
+            members=[pb.Member(peer_id=m.peer_id, endpoint=m.endpoint, weight=m.weight,
+                               client_mode=m.client_mode, bandwidth=m.bandwidth)
+                     for m in self.members],
+        )
+
+    @classmethod
+    def from_proto(cls, info: pb.GroupInfo) -> Group:
+        return cls(
+            group_id=info.group_id, key=info.group_key, round=info.round,
+            schema_hash=info.schema_hash,
+            members=tuple(GroupMember(m.peer_id, m.endpoint, m.weight, m.client_mode, m.bandwidth)
+                          for m in info.members),
+        )

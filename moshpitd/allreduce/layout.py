@@ -1,0 +1,178 @@
+"""How a request's tensors map onto one flat vector, and how that vector is cut into parts.
+
+The flat vector is the tensors' concatenation in request order, whatever their dtypes. Consecutive
+tensors of one dtype form a *run*; a part never crosses a run, so every part has one dtype and its
+bytes go on the wire as they lie in memory. Every peer of a group derives the same parts from the
+same schema: nothing about the cut is negotiated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+import msgpack
+import numpy as np
+
+SUPPORTED_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+DEFAULT_PART_BYTES = 1 << 20
+
+
+class LayoutError(ValueError):
+    """A tensor description does not fit the buffer or is not supported."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the shared buffer
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive tensors of one dtype; element indices are local to the run."""
+
+    dtype: str
+    numel: int
+    tensors: tuple[int, ...]  # indices into the request's tensor list
+
+
+@dataclass(frozen=True)
+class Part:
+    index: int
+    run: int
+    start: int
+    stop: int
+    owner: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def schema_of(specs: Sequence[TensorSpec]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(s.dtype, s.shape) for s in specs]
+
+
+def schema_hash(specs: Sequence[TensorSpec]) -> bytes:
+    """Peers may only average tensors of identical dtypes and shapes, in the same order."""
+    packed = msgpack.packb([[d, list(shape)] for d, shape in schema_of(specs)])
+    return hashlib.sha256(packed).digest()[:16]
+
+
+def validate_specs(specs: Sequence[TensorSpec], buffer_size: int) -> None:
+    if not specs:
+        raise LayoutError("a request needs at least one tensor")
+    for i, s in enumerate(specs):
+        if s.dtype not in SUPPORTED_DTYPES:
+            raise LayoutError(
+                f"tensor {i}: dtype {s.dtype!r} is not supported "
+                f"(use one of {', '.join(SUPPORTED_DTYPES)})"
+            )
+        if any(d < 0 for d in s.shape):
+            raise LayoutError(f"tensor {i}: negative dimension in shape {s.shape}")
+        itemsize = np.dtype(s.dtype).itemsize
+        if s.offset < 0 or s.offset % itemsize:
+            raise LayoutError(f"tensor {i}: offset {s.offset} is not aligned to {itemsize} bytes")
+        if s.offset + s.nbytes > buffer_size:
+            raise LayoutError(
+                f"tensor {i}: bytes {s.offset}..{s.offset + s.nbytes} lie outside the shared "
+                f"buffer of {buffer_size} bytes"
+            )
+
+
+def runs_of(specs: Sequence[TensorSpec]) -> list[Run]:
+    runs: list[Run] = []
+    current: list[int] = []
+    for i, s in enumerate(specs):
+        if current and specs[current[-1]].dtype != s.dtype:
+            runs.append(_make_run(specs, current))
+            current = []
+        current.append(i)
+    if current:
+        runs.append(_make_run(specs, current))
+    return [r for r in runs if r.numel > 0]
+
+
+def _make_run(specs: Sequence[TensorSpec], idx: list[int]) -> Run:
+    return Run(specs[idx[0]].dtype, sum(specs[i].numel for i in idx), tuple(idx))
+
+
+def span_bounds(total: int, shares: Sequence[float]) -> list[int]:
+    """Cut [0, total) into len(shares) spans proportional to shares; returns n+1 bounds."""
+    if not shares or any(s < 0 for s in shares) or sum(shares) <= 0:
+        raise ValueError("shares must be non-negative with a positive sum")
+    cum = np.concatenate([[0.0], np.cumsum(np.asarray(shares, dtype=np.float64))])
+    bounds = np.floor(cum / cum[-1] * total + 0.5).astype(np.int64)
+    bounds[-1] = total
+    return [int(b) for b in bounds]
+
+
+def plan_parts(runs: Sequence[Run], shares: Sequence[float],
+               part_bytes: int = DEFAULT_PART_BYTES) -> list[Part]:
+    """Every (run, span) intersection cut into parts of at most part_bytes."""
+    total = sum(r.numel for r in runs)
+    bounds = span_bounds(total, shares)
+    parts: list[Part] = []
+    run_start = 0
+    for run_idx, run in enumerate(runs):
+        step = max(1, part_bytes // np.dtype(run.dtype).itemsize)
+        run_stop = run_start + run.numel
+        for owner in range(len(shares)):
+            lo, hi = max(bounds[owner], run_start), min(bounds[owner + 1], run_stop)
+            for start in range(lo, hi, step):
+                stop = min(start + step, hi)
+                parts.append(Part(len(parts), run_idx, start - run_start, stop - run_start, owner))
+        run_start = run_stop
+    return parts
+
+
+class FlatView:
+    """Reads and writes parts of the flat vector in the shared buffer, in place."""
+
+    def __init__(self, buffer: memoryview, specs: Sequence[TensorSpec]) -> None:
+        validate_specs(specs, len(buffer))
+        self.specs = list(specs)
+        self.runs = runs_of(specs)
+        self._arrays = [
+            np.frombuffer(buffer, dtype=s.dtype, count=s.numel, offset=s.offset)
+            for s in self.specs
+        ]
+        # per run: element offset of each of its tensors inside the run
+        self._starts = [
+            np.cumsum([0] + [self.specs[i].numel for i in r.tensors]).tolist() for r in self.runs
+        ]
+
+    def _pieces(self, part: Part) -> list[tuple[np.ndarray, int, int]]:
+        run, starts = self.runs[part.run], self._starts[part.run]
+        out = []
+        for k, t in enumerate(run.tensors):
+            lo, hi = max(part.start, starts[k]), min(part.stop, starts[k + 1])
+            if lo < hi:
+                out.append((self._arrays[t], lo - starts[k], hi - starts[k]))
+        return out
+
+    def read(self, part: Part) -> np.ndarray:
+        """A view when the part lies in one tensor, else a gathered copy."""
+        pieces = self._pieces(part)
+        if len(pieces) == 1:
+            arr, lo, hi = pieces[0]
+            return arr[lo:hi]
+        return np.concatenate([arr[lo:hi] for arr, lo, hi in pieces])
+
+    def write(self, part: Part, values: np.ndarray) -> None:
+        pos = 0
+        for arr, lo, hi in self._pieces(part):
+            arr[lo:hi] = values[pos:pos + hi - lo]
+            pos += hi - lo

@@ -1,0 +1,154 @@
+"""The DHT node the daemon talks to: subkey stores and merged lookups over kademlia."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+from kademlia.crawling import NodeSpiderCrawl
+from kademlia.network import Server
+from kademlia.node import Node
+from kademlia.utils import digest
+
+from moshpitd.dht.protocol import SubkeyProtocol
+from moshpitd.dht.storage import SubkeyStorage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SubRecord:
+    value: bytes
+    version: int
+    ttl: float  # remaining seconds as seen by the freshest holder
+
+
+class DHTError(Exception):
+    """A DHT operation could not be carried out."""
+
+
+def normalise_host(host: str) -> str:
+    """IPv4-mapped IPv6 addresses name the same peer as their IPv4 form."""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)
+
+
+async def resolve(hostport: tuple[str, int]) -> tuple[str, int]:
+    """kademlia takes IP addresses only: resolve names first."""
+    host, port = hostport
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    if not infos:
+        raise DHTError(f"cannot resolve bootstrap host {host!r}")
+    return normalise_host(str(infos[0][4][0])), port
+
+
+class DHTNode(Server):  # type: ignore[misc]
+    protocol_class = SubkeyProtocol
+    protocol: SubkeyProtocol
+    storage: SubkeyStorage
+
+    def __init__(
+        self, node_id: bytes | None = None, ksize: int = 20, alpha: int = 3,
+        rpc_timeout: float = 1.0, storage: SubkeyStorage | None = None,
+    ) -> None:
+        super().__init__(ksize=ksize, alpha=alpha, node_id=node_id,
+                         storage=storage or SubkeyStorage())
+        self.rpc_timeout = rpc_timeout
+        self._last_version = 0
+        self._nearest_cache: dict[bytes, tuple[float, list[Node]]] = {}
+
+    def _create_protocol(self) -> SubkeyProtocol:
+        return self.protocol_class(self.node, self.storage, self.ksize, self.rpc_timeout)
+
+    @property
+    def peer_id(self) -> bytes:
+        return bytes(self.node.id)
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        await self.listen(port, interface=host)
+        bound = self.transport.get_extra_info("sockname")
+        return str(bound[0]), int(bound[1])
+
+    async def join(self, addrs: list[tuple[str, int]]) -> int:
+        """Bootstrap from host:port pairs; returns how many contacts answered."""
+        resolved = []
+        for addr in addrs:
+            try:
+                resolved.append(await resolve(addr))
+            except (OSError, DHTError) as exc:
+                log.warning("bootstrap %s:%s: %s", addr[0], addr[1], exc)
+        if resolved:
+            await self.bootstrap(resolved)
+        return self.peer_count()
+
+    def peer_count(self) -> int:
+        return sum(len(b) for b in self.protocol.router.buckets)
+
+    def _next_version(self) -> int:
+        self._last_version = max(self._last_version + 1, time.time_ns())
+        return self._last_version
+
+    async def _nearest(self, dkey: bytes) -> list[Node]:
+        cached = self._nearest_cache.get(dkey)
+        now = time.monotonic()
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        node = Node(dkey)
+        nearest = self.protocol.router.find_neighbors(node)
+        if not nearest:
+            return []
+        spider = NodeSpiderCrawl(self.protocol, node, nearest, self.ksize, self.alpha)
+        found: list[Node] = await spider.find()
+        self._nearest_cache[dkey] = (now + 2.0, found)
+        if len(self._nearest_cache) > 1024:
+            self._nearest_cache.clear()
+        return found
+
+    async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float) -> int:
+        """Store on the k closest nodes and locally; returns how many copies were accepted."""
+        dkey = digest(key)
+        version = self._next_version()
+        stored = int(self.storage.store_sub(dkey, subkey, value, version, ttl))
+        nodes = await self._nearest(dkey)
+        results = await asyncio.gather(
+            *(self.protocol.call_store_sub(n, dkey, subkey, value, version, ttl) for n in nodes)
+        )
+        if nodes and not any(results):
+            self._nearest_cache.pop(dkey, None)
+        return stored + sum(results)
+
+    async def withdraw_sub(self, key: str, subkey: bytes, ttl: float = 30.0) -> int:
+        """Replace our record by a tombstone that outranks it on every replica."""
+        return await self.store_sub(key, subkey, b"", ttl)
+
+    async def get_subs(self, key: str) -> dict[bytes, SubRecord]:
+        """Ask every one of the k closest nodes and merge (highest version wins per subkey)."""
+        dkey = digest(key)
+        merged: dict[bytes, SubRecord] = {}
+
+        def merge(sk: object, value: object, version: object, ttl: object) -> None:
+            if not (isinstance(sk, bytes) and isinstance(value, bytes)
+                    and isinstance(version, int) and isinstance(ttl, int | float)):
+                return
+            old = merged.get(sk)
+            if old is None or (old.version, old.ttl) < (version, ttl):
+                merged[sk] = SubRecord(value, version, float(ttl))
+
+        for sk, (value, version, ttl) in self.storage.get_subs(dkey).items():
+            merge(sk, value, version, ttl)
+        nodes = await self._nearest(dkey)
+        answers = await asyncio.gather(*(self.protocol.call_find_subs(n, dkey) for n in nodes))
+        for answer in answers:
+            for row in answer or []:
+                if isinstance(row, list) and len(row) == 4:
+                    merge(*row)
+        return {sk: rec for sk, rec in merged.items() if rec.value and rec.ttl > 0}

@@ -1,0 +1,166 @@
+"""Kademlia protocol with subkey RPCs and a settable reply timeout.
+
+Every handler validates its arguments: a datagram from the network is untrusted, and a bad one
+must cost a log line, never a crashed task or a poisoned table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import umsgpack
+from kademlia.node import Node
+from kademlia.protocol import KademliaProtocol
+from kademlia.utils import digest
+
+from moshpitd.dht.storage import SubkeyStorage
+
+log = logging.getLogger(__name__)
+
+MAX_DATAGRAM = 65507
+ID_BYTES = 20
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, bytes) and len(value) == ID_BYTES
+
+
+class SubkeyProtocol(KademliaProtocol):  # type: ignore[misc]
+    storage: SubkeyStorage
+
+    def __init__(
+        self, source_node: Node, storage: SubkeyStorage, ksize: int, wait_timeout: float
+    ) -> None:
+        super().__init__(source_node, storage, ksize)
+        self._wait_timeout = wait_timeout
+        self.malformed = 0
+
+    # --- datagram handling: never let a peer's bytes raise inside an unowned task ----------
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        task = asyncio.ensure_future(self._safe_solve(data, addr))
+        task.add_done_callback(_consume)
+
+    async def _safe_solve(self, datagram: bytes, address: tuple[str, int]) -> None:
+        if len(datagram) < 22 or datagram[:1] not in (b"\x00", b"\x01"):
+            self.malformed += 1
+            return
+        msg_id = datagram[1:21]
+        try:
+            data = umsgpack.unpackb(datagram[21:])
+        except Exception:  # umsgpack raises many types on garbage
+            self.malformed += 1
+            log.debug("undecodable datagram from %s", address)
+            return
+        if datagram[:1] == b"\x01":
+            if msg_id in self._outstanding:
+                self._accept_response(msg_id, data, address)
+            return
+        if not (isinstance(data, list) and len(data) == 2 and isinstance(data[0], str)):
+            self.malformed += 1
+            return
+        name, args = data
+        func = getattr(self, f"rpc_{name}", None)
+        if func is None or not isinstance(args, list | tuple):
+            self.malformed += 1
+            return
+        try:
+            response = func(address, *args)
+            if asyncio.iscoroutine(response):
+                response = await response
+        except Exception as exc:  # a handler rejecting bad arguments
+            self.malformed += 1
+            log.debug("bad rpc_%s from %s: %r", name, address, exc)
+            return
+        reply = b"\x01" + msg_id + umsgpack.packb(response)
+        if len(reply) > MAX_DATAGRAM:
+            log.warning("reply to rpc_%s for %s is too large (%d bytes)", name, address, len(reply))
+            return
+        if self.transport is not None:
+            self.transport.sendto(reply, address)
+
+    # --- subkey RPCs --------------------------------------------------------------------------
+    def rpc_store_sub(
+        self, sender: tuple[str, int], nodeid: bytes, key: bytes, subkey: bytes,
+        value: bytes, version: int, ttl: float,
+    ) -> bool:
+        if not (_is_id(nodeid) and _is_id(key) and isinstance(subkey, bytes)
+                and isinstance(value, bytes) and isinstance(version, int)
+                and isinstance(ttl, int | float) and not isinstance(ttl, bool)):
+            raise ValueError("malformed store_sub")
+        self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
+        return self.storage.store_sub(key, subkey, value, version, float(ttl))
+
+    def rpc_find_subs(self, sender: tuple[str, int], nodeid: bytes, key: bytes) -> dict[str, Any]:
+        if not (_is_id(nodeid) and _is_id(key)):
+            raise ValueError("malformed find_subs")
+        self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
+        subs = self.storage.get_subs(key)
+        return {"subs": [[sk, v, ver, ttl] for sk, (v, ver, ttl) in subs.items()]}
+
+    # stock RPCs, hardened against wrong types
+    def rpc_ping(self, sender: tuple[str, int], nodeid: bytes) -> bytes:
+        if not _is_id(nodeid):
+            raise ValueError("malformed ping")
+        return super().rpc_ping(sender, nodeid)  # type: ignore[no-any-return]
+
+    def rpc_store(self, sender: tuple[str, int], nodeid: bytes, key: bytes, value: object) -> bool:
+        if not (_is_id(nodeid) and _is_id(key)) or not isinstance(value, int | float | str | bytes):
+            raise ValueError("malformed store")
+        return super().rpc_store(sender, nodeid, key, value)  # type: ignore[no-any-return]
+
+    def rpc_find_node(self, sender: tuple[str, int], nodeid: bytes, key: bytes) -> list[Any]:
+        if not (_is_id(nodeid) and _is_id(key)):
+            raise ValueError("malformed find_node")
+        return super().rpc_find_node(sender, nodeid, key)  # type: ignore[no-any-return]
+
+    def rpc_find_value(self, sender: tuple[str, int], nodeid: bytes, key: bytes) -> Any:
+        if not (_is_id(nodeid) and _is_id(key)):
+            raise ValueError("malformed find_value")
+        return super().rpc_find_value(sender, nodeid, key)
+
+    async def call_store_sub(
+        self, node: Node, key: bytes, subkey: bytes, value: bytes, version: int, ttl: float
+    ) -> bool:
+        result = await self.store_sub(
+            (node.ip, node.port), self.source_node.id, key, subkey, value, version, ttl
+        )
+        self.handle_call_response(result, node)
+        return bool(result[0] and result[1] is True)
+
+    async def call_find_subs(self, node: Node, key: bytes) -> list[list[Any]] | None:
+        result = await self.find_subs((node.ip, node.port), self.source_node.id, key)
+        self.handle_call_response(result, node)
+        if not result[0] or not isinstance(result[1], dict):
+            return None
+        subs = result[1].get("subs")
+        return subs if isinstance(subs, list) else None
+
+    def welcome_if_new(self, node: Node) -> None:
+        """Hand a newcomer the subkey records it is now among the closest holders of."""
+        if not self.router.is_new_node(node):
+            return
+        for key in self.storage.sub_keys():
+            keynode = Node(key)
+            neighbors = self.router.find_neighbors(keynode)
+            if neighbors:
+                new_close = node.distance_to(keynode) < neighbors[-1].distance_to(keynode)
+                we_closest = self.source_node.distance_to(keynode) < neighbors[0].distance_to(
+                    keynode
+                )
+            if not neighbors or (new_close and we_closest):
+                for sk, (value, version, ttl) in self.storage.get_subs(key).items():
+                    task = asyncio.ensure_future(
+                        self.call_store_sub(node, key, sk, value, version, ttl)
+                    )
+                    task.add_done_callback(_consume)
+        self.router.add_contact(node)
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("dht task failed: %r", task.exception())
+
+
+__all__ = ["SubkeyProtocol", "digest"]

@@ -1,0 +1,53 @@
+"""A trainer's memfd, mapped into the daemon, where tensors are averaged in place."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+
+
+class BufferError_(ValueError):
+    """The descriptor is not a usable shared buffer."""
+
+
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+
+
+class SharedBuffer:
+    """Owns one mapping. The memfd must be sealed against shrinking: a trainer that truncated a
+    mapped file would otherwise kill the daemon with SIGBUS."""
+
+    def __init__(self, fd: int, size: int, max_size: int) -> None:
+        try:
+            if not 0 < size <= max_size:
+                raise BufferError_(f"buffer size {size} is outside 1..{max_size} bytes")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BufferError_("the descriptor is not a memfd (not a regular file)")
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not target.startswith("/memfd:"):
+                raise BufferError_(f"the descriptor is not a memfd ({target!r})")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError as exc:
+                raise BufferError_("the memfd does not allow sealing") from exc
+            if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+                raise BufferError_("the memfd must be sealed with F_SEAL_SHRINK")
+            if st.st_size < size:
+                raise BufferError_(f"the memfd holds {st.st_size} bytes, fewer than the "
+                                   f"declared {size}")
+            self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.size = size
+
+    def view(self) -> memoryview:
+        return memoryview(self.mmap)
+
+    def close(self) -> None:
+        try:
+            self.mmap.close()
+        except BufferError:
+            pass  # numpy views still alive; the mapping goes with the last of them

@@ -1,0 +1,270 @@
+"""IPC server: one session per trainer connection.
+
+Operations (each a msgpack map with "op"; replies carry the request's "id"):
+  hello                      -> peer id and version
+  attach {size}  + one fd    -> maps the trainer's memfd (replaces any earlier buffer)
+  average {key, tensors, weight, timeout, group_size, min_group_size}
+                             -> averages tensors in the buffer in place
+  status, rounds             -> daemon state for the CLI
+Any malformed frame gets an error reply; a frame that breaks the framing closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import math
+import os
+import socket
+import stat
+from typing import Any
+
+from moshpitd import __version__
+from moshpitd.allreduce.butterfly import AllreduceError
+from moshpitd.allreduce.layout import LayoutError
+from moshpitd.ipc.buffer import BufferError_, SharedBuffer
+from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
+from moshpitd.matchmaking.errors import MatchmakingError
+from moshpitd.node import AverageRequest, MoshpitNode, specs_from_wire
+
+log = logging.getLogger(__name__)
+
+MAX_BUFFER = 16 << 30
+MAX_SESSIONS = 64
+MAX_INFLIGHT = 8
+
+
+class RequestError(Exception):
+    """A well-framed request with bad contents: answered with an error, session goes on."""
+
+
+def _field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
+           required: bool = False) -> Any:
+    if name not in msg:
+        if required:
+            raise RequestError(f"missing field {name!r}")
+        return default
+    value = msg[name]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise RequestError(f"field {name!r} has the wrong type (bool)")
+    if not isinstance(value, kind):
+        raise RequestError(f"field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+class Session:
+    def __init__(self, server: IPCServer, conn: FramedSocket, number: int) -> None:
+        self.server = server
+        self.node = server.node
+        self.conn = conn
+        self.number = number
+        self.buffer: SharedBuffer | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._retired: list[SharedBuffer] = []
+
+    async def run(self) -> None:
+        try:
+            while True:
+                msg = await self.conn.read_frame()
+                await self.dispatch(msg)
+        except ConnectionClosed:
+            pass
+        except ProtocolError as exc:
+            log.info("ipc session %d: protocol error: %s", self.number, exc)
+            self.node.metrics.ipc_requests.labels("invalid", "error").inc()
+            with contextlib.suppress(OSError):
+                await self.conn.write_frame({"ok": False, "error": "ProtocolError",
+                                             "message": str(exc)})
+        except OSError as exc:
+            log.info("ipc session %d: connection error: %s", self.number, exc)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for buf in [self.buffer, *self._retired]:
+            if buf is not None:
+                buf.close()
+        self.buffer = None
+        self.conn.close()
+
+    async def dispatch(self, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        rid = msg.get("id")
+        if not isinstance(rid, int | str | type(None)) or isinstance(rid, bool):
+            rid = None
+        try:
+            if not isinstance(op, str):
+                raise RequestError("field 'op' must be a string")
+            if op == "average":
+                self._start_average(msg, rid)
+                return
+            handler = {"hello": self._hello, "attach": self._attach, "status": self._status,
+                       "rounds": self._rounds}.get(op)
+            if handler is None:
+                raise RequestError(f"unknown op {op!r}")
+            reply = handler(msg)
+            self.node.metrics.ipc_requests.labels(op, "ok").inc()
+            await self.conn.write_frame({"ok": True, "id": rid, **reply})
+        except (RequestError, BufferError_, LayoutError, ValueError) as exc:
+            self.node.metrics.ipc_requests.labels(str(op)[:16] if isinstance(op, str) else
+                                                  "invalid", "error").inc()
+            await self.conn.write_frame({"ok": False, "id": rid, "error": type(exc).__name__
+                                         .rstrip("_"), "message": str(exc)})
+
+    def _hello(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"peer_id": self.node.peer_id.hex(), "version": __version__}
+
+    def _status(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"status": self.node.status(), "metrics": self.server.metrics_endpoint,
+                "ipc": self.server.path}
+
+    def _rounds(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"rounds": self.node.recent_rounds()}
+
+    def _attach(self, msg: dict[str, Any]) -> dict[str, Any]:
+        fd = self.conn.take_fd()
+        try:
+            size = _field(msg, "size", int, required=True)
+        except RequestError:
+            if fd is not None:
+                os.close(fd)
+            raise
+        if fd is None:
+            raise RequestError("attach needs a memfd passed with SCM_RIGHTS in the same message")
+        new = SharedBuffer(fd, size, MAX_BUFFER)
+        if self.buffer is not None:
+            self._retired.append(self.buffer)  # requests in flight may still use it
+        self.buffer = new
+        return {"size": size}
+
+    def _start_average(self, msg: dict[str, Any], rid: Any) -> None:
+        if len(self.tasks) >= MAX_INFLIGHT:
+            raise RequestError(f"at most {MAX_INFLIGHT} requests in flight per session")
+        key = _field(msg, "key", str, required=True)
+        if not 0 < len(key) <= 256:
+            raise RequestError("key must have 1..256 characters")
+        tensors = _field(msg, "tensors", list, required=True)
+        if len(tensors) > 100_000:
+            raise RequestError("too many tensors in one request (limit 100000)")
+        weight = float(_field(msg, "weight", (int, float), 1.0))
+        timeout = float(_field(msg, "timeout", (int, float), 30.0))
+        group_size = _field(msg, "group_size", int, 16)
+        min_group = _field(msg, "min_group_size", int, 2)
+        if not (math.isfinite(weight) and weight >= 0):
+            raise RequestError("weight must be a finite number >= 0")
+        if not (math.isfinite(timeout) and 0 < timeout <= 3600):
+            raise RequestError("timeout must be in (0, 3600] seconds")
+        if not 1 <= min_group <= group_size <= 1024:
+            raise RequestError("need 1 <= min_group_size <= group_size <= 1024")
+        if self.buffer is None:
+            raise RequestError("no shared buffer attached: send 'attach' with a memfd first")
+        specs = specs_from_wire(tensors)
+        request = AverageRequest(key, specs, weight, timeout, group_size, min_group)
+        buffer = self.buffer
+        task = asyncio.create_task(self._average(request, buffer, rid))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _average(self, request: AverageRequest, buffer: SharedBuffer, rid: Any) -> None:
+        try:
+            rec = await self.node.average(request, buffer.view())
+            reply = {"ok": True, "id": rid, "group_size": rec.group_size,
+                     "seconds": rec.seconds, "matchmaking_seconds": rec.matchmaking_seconds,
+                     "bytes_sent": rec.bytes_sent, "bytes_received": rec.bytes_received}
+            self.node.metrics.ipc_requests.labels("average", "ok").inc()
+        except (MatchmakingError, AllreduceError, LayoutError, ValueError) as exc:
+            self.node.metrics.ipc_requests.labels("average", "error").inc()
+            reply = {"ok": False, "id": rid, "error": type(exc).__name__, "message": str(exc)}
+        with contextlib.suppress(OSError):
+            await self.conn.write_frame(reply)
+
+
+class IPCServer:
+    def __init__(self, node: MoshpitNode, path: str, metrics_endpoint: str = "") -> None:
+        self.node = node
+        self.path = path
+        self.metrics_endpoint = metrics_endpoint
+        self.sock: socket.socket | None = None
+        self.sessions: set[asyncio.Task[None]] = set()
+        self._accept_task: asyncio.Task[None] | None = None
+        self._count = 0
+
+    async def start(self) -> None:
+        _remove_stale_socket(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(self.path)
+        os.chmod(self.path, 0o660)
+        sock.listen(64)
+        sock.setblocking(False)
+        self.sock = sock
+        self._accept_task = asyncio.create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        assert self.sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self.sock)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    log.warning("ipc accept: %s; retrying", exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                raise
+            if len(self.sessions) >= MAX_SESSIONS:
+                framed = FramedSocket(conn)
+                with contextlib.suppress(OSError):
+                    await framed.write_frame({"ok": False, "error": "TooManySessions",
+                                              "message": f"at most {MAX_SESSIONS} sessions"})
+                framed.close()
+                continue
+            self._count += 1
+            session = Session(self, FramedSocket(conn), self._count)
+            task = asyncio.create_task(self._run_session(session))
+            self.sessions.add(task)
+            task.add_done_callback(self.sessions.discard)
+
+    async def _run_session(self, session: Session) -> None:
+        self.node.metrics.ipc_sessions.inc()
+        try:
+            await session.run()
+        except Exception:
+            log.exception("ipc session %d failed", session.number)
+        finally:
+            self.node.metrics.ipc_sessions.dec()
+
+    async def stop(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        for task in list(self.sessions):
+            task.cancel()
+        await asyncio.gather(*self.sessions, return_exceptions=True)
+        if self.sock is not None:
+            self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Reuse the path of a dead daemon's socket, never of a live one."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise OSError(f"another daemon is listening on {path}")

@@ -1,0 +1,1 @@
+"""Finding a group: declarations in the DHT, a leader per group, joins over gRPC (DESIGN §4)."""

@@ -1,0 +1,42 @@
+"""What a peer stores in the DHT to say it is looking for a group under a key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+
+@dataclass(frozen=True)
+class Declaration:
+    endpoint: str
+    schema_hash: bytes
+    client_mode: bool = False
+
+    def pack(self) -> bytes:
+        return bytes(msgpack.packb([1, self.endpoint, self.schema_hash, self.client_mode]))
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Declaration | None:
+        """None for anything that is not a well-formed declaration (peers are untrusted)."""
+        try:
+            obj = msgpack.unpackb(raw)
+        except Exception:
+            return None
+        if not (isinstance(obj, list) and len(obj) == 4 and obj[0] == 1
+                and isinstance(obj[1], str) and len(obj[1]) <= 256
+                and isinstance(obj[2], bytes) and isinstance(obj[3], bool)):
+            return None
+        return cls(obj[1], obj[2], obj[3])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    peer_id: bytes
+    declaration: Declaration
+    deadline: float  # in our monotonic clock
+
+    @property
+    def rank(self) -> tuple[float, bytes]:
+        """The earliest deadline leads; peer id breaks ties so every peer agrees on order."""
+        return (self.deadline, self.peer_id)

@@ -1,0 +1,321 @@
+"""One peer's search for a group under one key.
+
+Every peer declares itself in the DHT with a deadline, and is at once a potential leader (it
+accepts followers) and a follower (it asks earlier-ranked peers to take it). Peers only ask peers
+ranked strictly before them, so waits cannot form a cycle. A peer that joins a leader stops
+accepting and redirects its own followers to that leader, so groups merge. A leader assembles as
+soon as the group reaches its target size, as soon as every peer declared under the key is in its
+group, or at its deadline with at least the minimum size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpc import aio
+
+from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.dht.network import DHTNode
+from moshpitd.matchmaking.declaration import Candidate, Declaration
+from moshpitd.matchmaking.errors import GroupNotFound, MatchmakingError, SchemaMismatch
+from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.grpc_server import ChannelPool
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MIN_POLL = 0.02
+MAX_POLL = 0.5
+
+
+@dataclass(frozen=True)
+class MatchRequest:
+    key: str
+    schema_hash: bytes
+    weight: float
+    target_size: int = 16
+    min_size: int = 2
+    client_mode: bool = False
+    attempt_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
+class Self:
+    peer_id: bytes
+    endpoint: str
+
+
+@dataclass
+class _Follower:
+    request: pb.JoinRequest
+    outbox: asyncio.Queue[pb.JoinResponse] = field(default_factory=asyncio.Queue)
+
+
+class Matchmaker:
+    def __init__(self, me: Self, dht: DHTNode, pool: ChannelPool, request: MatchRequest) -> None:
+        self.me = me
+        self.dht = dht
+        self.pool = pool
+        self.req = request
+        self.accepting = False
+        self.leader: Candidate | None = None
+        self.followers: dict[bytes, _Follower] = {}
+        self.assembled: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
+        self._wake = asyncio.Event()
+        self._deadline = 0.0
+        self._seen_mismatch: set[bytes] = set()
+        self._seen_match: set[bytes] = set()
+        self._stable_polls = 0
+
+    @property
+    def declaration(self) -> Declaration:
+        return Declaration(self.me.endpoint, self.req.schema_hash, self.req.client_mode)
+
+    # --- the whole search ---------------------------------------------------------------------
+    async def find_group(self, timeout: float) -> Group:
+        final = time.monotonic() + timeout
+        attempts = 0
+        while time.monotonic() < final - 0.01:
+            attempts += 1
+            self._deadline = min(time.monotonic() + self.req.attempt_seconds, final)
+            ttl = self._deadline - time.monotonic()
+            await self.dht.store_sub(self.req.key, self.me.peer_id, self.declaration.pack(), ttl)
+            self.accepting = not self.req.client_mode
+            try:
+                group = await self._attempt(final)
+            finally:
+                self.accepting = False
+                await self._withdraw()
+            if group is not None:
+                return group
+            if self._seen_mismatch and not self._seen_match:
+                raise SchemaMismatch(
+                    f"{len(self._seen_mismatch)} peer(s) under key {self.req.key!r} declared "
+                    "tensors with other dtypes or shapes (or another order), and none matched "
+                    "ours; every peer of a group must submit the same list of shapes and dtypes"
+                )
+        raise GroupNotFound(
+            f"no group of at least {self.req.min_size} peers under key {self.req.key!r} within "
+            f"{timeout:.1f} s ({attempts} attempt(s); {len(self._seen_match)} matching peer(s) "
+            f"seen)"
+        )
+
+    async def _withdraw(self) -> None:
+        try:
+            await self.dht.withdraw_sub(self.req.key, self.me.peer_id)
+        except Exception as exc:  # the round goes on; the record expires by itself
+            log.debug("withdraw failed: %r", exc)
+
+    async def _attempt(self, final: float) -> Group | None:
+        tried: set[bytes] = set()
+        poll = MIN_POLL
+        while True:
+            if self.assembled.done():
+                return self.assembled.result()
+            now = time.monotonic()
+            candidates = await self._candidates()
+            if self.assembled.done():
+                return self.assembled.result()
+            if self.accepting and self._ready_to_assemble(candidates, now):
+                return self._assemble()
+            if now >= self._deadline:
+                self._disband(None)
+                return None
+            my_rank = (self._deadline, self.me.peer_id)
+            for cand in sorted(candidates, key=lambda c: c.rank):
+                if cand.rank >= my_rank or cand.peer_id in tried:
+                    continue
+                if cand.declaration.client_mode:
+                    continue
+                tried.add(cand.peer_id)
+                group = await self._follow(cand, final)
+                if group is not None:
+                    return group
+                if self.assembled.done():
+                    return self.assembled.result()
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(min(poll, max(self._deadline - time.monotonic(), 0))):
+                    await self._wake.wait()
+                poll = MIN_POLL
+            except TimeoutError:
+                poll = min(poll * 1.5, MAX_POLL)
+
+    async def _candidates(self) -> list[Candidate]:
+        subs = await self.dht.get_subs(self.req.key)
+        now = time.monotonic()
+        out = []
+        for peer_id, rec in subs.items():
+            if peer_id == self.me.peer_id:
+                continue
+            decl = Declaration.unpack(rec.value)
+            if decl is None:
+                continue
+            if decl.schema_hash != self.req.schema_hash:
+                self._seen_mismatch.add(peer_id)
+                continue
+            self._seen_match.add(peer_id)
+            out.append(Candidate(peer_id, decl, now + rec.ttl))
+        return out
+
+    def _ready_to_assemble(self, candidates: list[Candidate], now: float) -> bool:
+        size = 1 + len(self.followers)
+        if size >= self.req.target_size:
+            return True
+        if size < self.req.min_size:
+            return False
+        if now >= self._deadline:
+            return True
+        # Everyone declared under the key is already with us: waiting longer gains nothing.
+        outside = [c for c in candidates if c.peer_id not in self.followers]
+        self._stable_polls = self._stable_polls + 1 if not outside else 0
+        return self._stable_polls >= 2
+
+    def _assemble(self) -> Group:
+        members = [GroupMember(self.me.peer_id, self.me.endpoint, self.req.weight,
+                               self.req.client_mode)]
+        for pid, f in self.followers.items():
+            members.append(GroupMember(pid, f.request.endpoint, f.request.weight,
+                                       f.request.client_mode))
+        group = Group(os.urandom(16), self.req.key, 0, self.req.schema_hash, tuple(members))
+        info = group.to_proto()
+        self.accepting = False
+        for f in self.followers.values():
+            f.outbox.put_nowait(pb.JoinResponse(code=pb.GROUP_ASSEMBLED, group_info=info))
+        self.followers.clear()
+        if not self.assembled.done():
+            self.assembled.set_result(group)
+        return group
+
+    def _disband(self, leader: Candidate | None) -> None:
+        """Release our followers, pointing them at our new leader if we have one."""
+        for f in self.followers.values():
+            resp = pb.JoinResponse(code=pb.DISBANDED, message="leader left the group")
+            if leader is not None:
+                resp.suggested_leader = leader.declaration.endpoint
+                resp.suggested_leader_id = leader.peer_id
+            f.outbox.put_nowait(resp)
+        self.followers.clear()
+
+    # --- following --------------------------------------------------------------------------
+    async def _follow(self, leader: Candidate, final: float) -> Group | None:
+        """Ask leader (and any leader it redirects us to) to take us; None if nobody did."""
+        hops = 0
+        while hops < 4:
+            hops += 1
+            request = pb.JoinRequest(
+                group_key=self.req.key, peer_id=self.me.peer_id, endpoint=self.me.endpoint,
+                schema_hash=self.req.schema_hash, weight=self.req.weight,
+                client_mode=self.req.client_mode, protocol_version=PROTOCOL_VERSION,
+            )
+            remaining = final - time.monotonic()
+            if remaining <= 0:
+                return None
+            call = self.pool.join(leader.declaration.endpoint, request, timeout=remaining)
+            try:
+                nxt = await self._follow_call(call, leader)
+            except (aio.AioRpcError, TimeoutError) as exc:
+                log.debug("join %s failed: %r", leader.peer_id.hex()[:8], exc)
+                nxt = None
+            finally:
+                call.cancel()
+                if self.leader is not None and not self.assembled.done():
+                    self.leader = None
+                    self.accepting = not self.req.client_mode and time.monotonic() < self._deadline
+            if isinstance(nxt, Group):
+                return nxt
+            if nxt is None:
+                return None
+            leader = nxt
+        return None
+
+    async def _follow_call(self, call: Any, leader: Candidate) -> Group | Candidate | None:
+        async with asyncio.timeout(max(min(2.0, self._deadline - time.monotonic()), 0.2)):
+            first = await call.read()
+        if first is aio.EOF:
+            return None
+        if first.code == pb.ACCEPTED:
+            self.leader = leader
+            self.accepting = False
+            self._disband(leader)
+            resp = await call.read()  # bounded by the call's own timeout
+            if resp is aio.EOF:
+                return None
+        else:
+            resp = first
+        if resp.code == pb.GROUP_ASSEMBLED:
+            group = Group.from_proto(resp.group_info)
+            try:
+                group.index_of(self.me.peer_id)
+            except KeyError:
+                return None
+            if group.schema_hash != self.req.schema_hash:
+                return None
+            if not self.assembled.done():
+                self.assembled.set_result(group)
+            return group
+        if resp.code == pb.BAD_SCHEMA:
+            self._seen_mismatch.add(leader.peer_id)
+            self._seen_match.discard(leader.peer_id)
+        if resp.code in (pb.NOT_A_LEADER, pb.DISBANDED) and resp.suggested_leader:
+            if resp.suggested_leader_id == self.me.peer_id:
+                return None
+            return Candidate(resp.suggested_leader_id,
+                             Declaration(resp.suggested_leader, self.req.schema_hash),
+                             leader.deadline)
+        return None
+
+    # --- leading: the server side of Join ---------------------------------------------------
+    async def handle_join(self, request: pb.JoinRequest) -> AsyncIterator[pb.JoinResponse]:
+        reject = self._check_join(request)
+        if reject is not None:
+            yield reject
+            return
+        follower = _Follower(request)
+        self.followers[request.peer_id] = follower
+        self._wake.set()
+        try:
+            yield pb.JoinResponse(code=pb.ACCEPTED)
+            yield await follower.outbox.get()
+        finally:
+            if self.followers.get(request.peer_id) is follower:
+                del self.followers[request.peer_id]
+
+    def _check_join(self, request: pb.JoinRequest) -> pb.JoinResponse | None:
+        def no(code: int, message: str) -> pb.JoinResponse:
+            return pb.JoinResponse(code=code, message=message)
+
+        if request.protocol_version != PROTOCOL_VERSION:
+            return no(pb.PROTOCOL_MISMATCH, f"protocol {request.protocol_version} != "
+                                            f"{PROTOCOL_VERSION}")
+        if len(request.peer_id) != 20 or not request.endpoint or not request.weight >= 0:
+            return no(pb.BAD_REQUEST, "peer id, endpoint or weight missing or malformed")
+        if request.group_key != self.req.key:
+            return no(pb.WRONG_KEY, f"this peer averages under {self.req.key!r}")
+        if not self.accepting:
+            if self.leader is not None:
+                resp = no(pb.NOT_A_LEADER, "this peer follows another leader")
+                resp.suggested_leader = self.leader.declaration.endpoint
+                resp.suggested_leader_id = self.leader.peer_id
+                return resp
+            return no(pb.NOT_LOOKING, "not accepting followers now")
+        if request.schema_hash != self.req.schema_hash:
+            return no(pb.BAD_SCHEMA, "tensor dtypes/shapes differ from this group's")
+        if request.peer_id == self.me.peer_id or request.peer_id in self.followers:
+            return no(pb.DUPLICATE_PEER, "peer is already a member")
+        if 1 + len(self.followers) >= self.req.target_size:
+            return no(pb.GROUP_FULL, f"group already has {self.req.target_size} members")
+        return None
+
+
+def not_looking(key: str) -> pb.JoinResponse:
+    return pb.JoinResponse(code=pb.NOT_LOOKING, message=f"not matchmaking under {key!r}")
+
+
+__all__ = ["Matchmaker", "MatchRequest", "MatchmakingError", "Self", "not_looking"]

@@ -1,0 +1,90 @@
+"""Prometheus metrics, served from the daemon's own event loop on a loopback port by default."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
+
+from moshpitd import __version__
+
+log = logging.getLogger(__name__)
+
+ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rounds = Counter("moshpitd_rounds", "Averaging rounds by result", ["result"],
+                              registry=r)
+        self.round_duration = Histogram("moshpitd_round_duration_seconds",
+                                        "Time from request to averaged result",
+                                        buckets=ROUND_BUCKETS, registry=r)
+        self.matchmaking_duration = Histogram("moshpitd_matchmaking_duration_seconds",
+                                              "Time to assemble a group", buckets=ROUND_BUCKETS,
+                                              registry=r)
+        self.group_size = Histogram("moshpitd_group_size", "Members of assembled groups",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
+        self.sent_bytes = Counter("moshpitd_sent_bytes", "Tensor bytes sent to peers", registry=r)
+        self.received_bytes = Counter("moshpitd_received_bytes", "Tensor bytes from peers",
+                                      registry=r)
+        self.dht_peers = Gauge("moshpitd_dht_peers", "Contacts in the DHT routing table",
+                               registry=r)
+        self.ipc_requests = Counter("moshpitd_ipc_requests", "IPC requests by operation and result",
+                                    ["op", "result"], registry=r)
+        self.ipc_sessions = Gauge("moshpitd_ipc_sessions", "Connected trainer sessions",
+                                  registry=r)
+        Info("moshpitd_build", "Build information", registry=r).info({"version": __version__})
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
+
+
+class MetricsServer:
+    """A minimal HTTP/1.0 responder: GET /metrics, anything else 404."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._handle, host, port)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(5):
+                request = await reader.readuntil(b"\r\n\r\n")
+            line = request.split(b"\r\n", 1)[0].split()
+            if len(line) >= 2 and line[0] in (b"GET", b"HEAD") and (
+                line[1] == b"/metrics" or line[1].startswith(b"/metrics?")
+            ):
+                body = self.metrics.render()
+                head = (f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE_LATEST}\r\n"
+                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+                writer.write(head.encode() + (body if line[0] == b"GET" else b""))
+            else:
+                writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()

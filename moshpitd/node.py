@@ -1,0 +1,246 @@
+"""The daemon's core: one averaging request = matchmaking, then a butterfly round."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from grpc import aio
+
+from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound
+from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, TensorSpec, schema_hash
+from moshpitd.dht.network import DHTNode
+from moshpitd.matchmaking.errors import DuplicateRequest
+from moshpitd.matchmaking.matchmaker import Matchmaker, MatchRequest, Self, not_looking
+from moshpitd.metrics import Metrics
+from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport import frames
+from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE, AveragerServer, ChannelPool
+
+log = logging.getLogger(__name__)
+
+STREAM_WAIT = 10.0  # how long an early Reduce stream waits for its round to start here
+MAX_PENDING_GROUPS = 1024
+
+
+def format_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    dht_host: str = "127.0.0.1"
+    dht_port: int = 0
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 0
+    bootstrap: tuple[tuple[str, int], ...] = ()
+    dht_rpc_timeout: float = 1.0
+    part_bytes: int = DEFAULT_PART_BYTES
+    max_message: int = DEFAULT_MAX_MESSAGE
+    matchmaking_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
+class AverageRequest:
+    key: str
+    specs: tuple[TensorSpec, ...]
+    weight: float = 1.0
+    timeout: float = 30.0
+    group_size: int = 16
+    min_group_size: int = 2
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    key: str
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    matchmaking_seconds: float
+    result: str
+    finished: float = field(default_factory=time.time)
+
+
+class MoshpitNode:
+    def __init__(self, config: NodeConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout)
+        self.pool = ChannelPool(config.max_message)
+        self.server = AveragerServer(self._handle_join, self._handle_reduce, config.max_message)
+        self.matchmakers: dict[str, Matchmaker] = {}
+        self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
+        self.recent: deque[RoundRecord] = deque(maxlen=100)
+        self.rounds_done = 0
+        self.rounds_failed = 0
+        self.dht_addr = ("", 0)
+        self.grpc_endpoint = ""
+        self._bootstrap_task: asyncio.Task[None] | None = None
+
+    @property
+    def peer_id(self) -> bytes:
+        return self.dht.peer_id
+
+    async def start(self) -> None:
+        c = self.config
+        self.dht_addr = await self.dht.start(c.dht_host, c.dht_port)
+        port = await self.server.start(c.grpc_host, c.grpc_port)
+        self.grpc_endpoint = format_hostport(c.grpc_host, port)
+        if c.bootstrap:
+            await self.dht.join(list(c.bootstrap))
+            self._bootstrap_task = asyncio.create_task(self._keep_bootstrapped())
+
+    async def _keep_bootstrapped(self) -> None:
+        """A daemon may start before its bootstrap peers: keep trying while alone."""
+        delay = 0.5
+        while True:
+            await asyncio.sleep(delay)
+            self.metrics.dht_peers.set(self.dht.peer_count())
+            if self.dht.peer_count() == 0:
+                await self.dht.join(list(self.config.bootstrap))
+                delay = min(delay * 2, 10.0)
+            else:
+                delay = 5.0
+
+    async def stop(self) -> None:
+        if self._bootstrap_task is not None:
+            self._bootstrap_task.cancel()
+        await self.server.stop(0.5)
+        await self.pool.close()
+        self.dht.stop()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id.hex(),
+            "dht": format_hostport(*self.dht_addr),
+            "grpc": self.grpc_endpoint,
+            "dht_peers": self.dht.peer_count(),
+            "rounds_done": self.rounds_done,
+            "rounds_failed": self.rounds_failed,
+            "active_keys": sorted(self.matchmakers),
+        }
+
+    def recent_rounds(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.recent]
+
+    # --- one averaging request ------------------------------------------------------------
+    async def average(self, request: AverageRequest, buffer: memoryview) -> RoundRecord:
+        view = FlatView(buffer, request.specs)
+        if request.key in self.matchmakers:
+            raise DuplicateRequest(f"this daemon is already averaging under key {request.key!r}")
+        start = time.monotonic()
+        final = start + request.timeout
+        match = MatchRequest(
+            key=request.key, schema_hash=schema_hash(request.specs), weight=request.weight,
+            target_size=request.group_size, min_size=request.min_group_size,
+            attempt_seconds=min(self.config.matchmaking_seconds, request.timeout),
+        )
+        mm = Matchmaker(Self(self.peer_id, self.grpc_endpoint), self.dht, self.pool, match)
+        self.matchmakers[request.key] = mm
+        try:
+            group = await mm.find_group(request.timeout)
+        except BaseException:
+            self._record(request.key, 0, 0, 0, start, start, "matchmaking_failed")
+            raise
+        finally:
+            del self.matchmakers[request.key]
+        assembled = time.monotonic()
+        self.metrics.matchmaking_duration.observe(assembled - start)
+        self.metrics.group_size.observe(len(group.members))
+        rnd = ButterflyRound(group, group.index_of(self.peer_id), view, self.pool,
+                             self.config.part_bytes)
+        fut = self._round_future(group.group_id)
+        if not fut.done():
+            fut.set_result(rnd)
+        try:
+            result = await rnd.run(max(final - time.monotonic(), 0.05))
+        except AllreduceError:
+            self._record(request.key, len(group.members), rnd.bytes_sent, rnd.bytes_received,
+                         start, assembled, "allreduce_failed")
+            raise
+        finally:
+            self._rounds.pop(group.group_id, None)
+        return self._record(request.key, result.group_size, result.bytes_sent,
+                            result.bytes_received, start, assembled, "ok")
+
+    def _record(self, key: str, size: int, sent: int, received: int, start: float,
+                assembled: float, result: str) -> RoundRecord:
+        now = time.monotonic()
+        rec = RoundRecord(key, size, sent, received, now - start, assembled - start, result)
+        self.recent.append(rec)
+        self.metrics.rounds.labels(result).inc()
+        self.metrics.round_duration.observe(now - start)
+        self.metrics.sent_bytes.inc(sent)
+        self.metrics.received_bytes.inc(received)
+        if result == "ok":
+            self.rounds_done += 1
+            log.info("round key=%s group=%d sent=%d recv=%d mm=%.3fs total=%.3fs", key, size,
+                     sent, received, assembled - start, now - start)
+        else:
+            self.rounds_failed += 1
+            log.info("round key=%s result=%s after %.3fs", key, result, now - start)
+        return rec
+
+    # --- gRPC handlers --------------------------------------------------------------------
+    async def _handle_join(self, request: pb.JoinRequest,
+                           context: aio.ServicerContext) -> AsyncIterator[pb.JoinResponse]:
+        mm = self.matchmakers.get(request.group_key)
+        if mm is None:
+            yield not_looking(request.group_key)
+            return
+        async for response in mm.handle_join(request):
+            yield response
+
+    def _round_future(self, group_id: bytes) -> asyncio.Future[ButterflyRound]:
+        fut = self._rounds.get(group_id)
+        if fut is None:
+            if len(self._rounds) >= MAX_PENDING_GROUPS:
+                raise AllreduceError("too many pending groups")
+            fut = asyncio.get_running_loop().create_future()
+            self._rounds[group_id] = fut
+        return fut
+
+    async def _handle_reduce(self, context: aio.ServicerContext) -> None:
+        first = await context.read()
+        if first is aio.EOF:
+            return
+        try:
+            header, _ = frames.decode(first)
+        except frames.FrameError as exc:
+            await context.write(frames.encode(pb.PartHeader(status=pb.ABORT, message=str(exc))))
+            return
+        gid = bytes(header.group_id)
+        try:
+            fut = self._round_future(gid)
+            async with asyncio.timeout(STREAM_WAIT):
+                rnd = await asyncio.shield(fut)
+        except (TimeoutError, AllreduceError):
+            if gid in self._rounds and not self._rounds[gid].done():
+                del self._rounds[gid]
+            await context.write(frames.encode(pb.PartHeader(
+                group_id=gid, status=pb.ABORT, message="no such group on this peer")))
+            return
+        await rnd.serve(header.sender, first, context)
+
+
+def specs_from_wire(tensors: Sequence[Any]) -> tuple[TensorSpec, ...]:
+    """Validate the IPC description of tensors: [[dtype, shape, offset], ...]."""
+    specs = []
+    for i, t in enumerate(tensors):
+        if not (isinstance(t, list | tuple) and len(t) == 3):
+            raise ValueError(f"tensor {i}: expected [dtype, shape, offset]")
+        dtype, shape, offset = t
+        if not isinstance(dtype, str) or not isinstance(offset, int) or isinstance(offset, bool):
+            raise ValueError(f"tensor {i}: dtype must be a string and offset an integer")
+        if not isinstance(shape, list | tuple) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ) or len(shape) > 32:
+            raise ValueError(f"tensor {i}: shape must be a list of at most 32 integers")
+        specs.append(TensorSpec(dtype, tuple(shape), offset))
+    return tuple(specs)

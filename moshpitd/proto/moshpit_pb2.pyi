@@ -1,0 +1,129 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOIN_CODE_UNSPECIFIED: _ClassVar[JoinCode]
+    ACCEPTED: _ClassVar[JoinCode]
+    GROUP_ASSEMBLED: _ClassVar[JoinCode]
+    NOT_LOOKING: _ClassVar[JoinCode]
+    WRONG_KEY: _ClassVar[JoinCode]
+    GROUP_FULL: _ClassVar[JoinCode]
+    NOT_A_LEADER: _ClassVar[JoinCode]
+    DUPLICATE_PEER: _ClassVar[JoinCode]
+    BAD_SCHEMA: _ClassVar[JoinCode]
+    DISBANDED: _ClassVar[JoinCode]
+    BAD_REQUEST: _ClassVar[JoinCode]
+    PROTOCOL_MISMATCH: _ClassVar[JoinCode]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NONE: _ClassVar[Codec]
+
+class PartStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OK: _ClassVar[PartStatus]
+    ABORT: _ClassVar[PartStatus]
+JOIN_CODE_UNSPECIFIED: JoinCode
+ACCEPTED: JoinCode
+GROUP_ASSEMBLED: JoinCode
+NOT_LOOKING: JoinCode
+WRONG_KEY: JoinCode
+GROUP_FULL: JoinCode
+NOT_A_LEADER: JoinCode
+DUPLICATE_PEER: JoinCode
+BAD_SCHEMA: JoinCode
+DISBANDED: JoinCode
+BAD_REQUEST: JoinCode
+PROTOCOL_MISMATCH: JoinCode
+NONE: Codec
+OK: PartStatus
+ABORT: PartStatus
+
+class JoinRequest(_message.Message):
+    __slots__ = ("group_key", "peer_id", "endpoint", "schema_hash", "weight", "client_mode", "protocol_version")
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    group_key: str
+    peer_id: bytes
+    endpoint: str
+    schema_hash: bytes
+    weight: float
+    client_mode: bool
+    protocol_version: int
+    def __init__(self, group_key: _Optional[str] = ..., peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("code", "message", "suggested_leader", "suggested_leader_id", "group_info")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SUGGESTED_LEADER_FIELD_NUMBER: _ClassVar[int]
+    SUGGESTED_LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INFO_FIELD_NUMBER: _ClassVar[int]
+    code: JoinCode
+    message: str
+    suggested_leader: str
+    suggested_leader_id: bytes
+    group_info: GroupInfo
+    def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., message: _Optional[str] = ..., suggested_leader: _Optional[str] = ..., suggested_leader_id: _Optional[bytes] = ..., group_info: _Optional[_Union[GroupInfo, _Mapping]] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("peer_id", "endpoint", "weight", "client_mode", "bandwidth")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    peer_id: bytes
+    endpoint: str
+    weight: float
+    client_mode: bool
+    bandwidth: float
+    def __init__(self, peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., bandwidth: _Optional[float] = ...) -> None: ...
+
+class GroupInfo(_message.Message):
+    __slots__ = ("group_id", "group_key", "round", "schema_hash", "members")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    group_key: str
+    round: int
+    schema_hash: bytes
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    def __init__(self, group_id: _Optional[bytes] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., schema_hash: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+
+class PartHeader(_message.Message):
+    __slots__ = ("group_id", "sender", "part", "codec", "status", "message")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    sender: int
+    part: int
+    codec: Codec
+    status: PartStatus
+    message: str
+    def __init__(self, group_id: _Optional[bytes] = ..., sender: _Optional[int] = ..., part: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., status: _Optional[_Union[PartStatus, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PartFrame(_message.Message):
+    __slots__ = ("raw",)
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    raw: bytes
+    def __init__(self, raw: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,107 @@
+"""The daemon's gRPC server and a pool of channels to peers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from moshpitd.proto import moshpit_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SERVICE = "moshpit.Averager"
+JOIN = f"/{SERVICE}/Join"
+REDUCE = f"/{SERVICE}/Reduce"
+DEFAULT_MAX_MESSAGE = 64 << 20
+
+JoinHandler = Callable[[pb.JoinRequest, aio.ServicerContext], AsyncIterator[pb.JoinResponse]]
+ReduceHandler = Callable[[aio.ServicerContext], Awaitable[None]]
+
+
+def channel_options(max_message: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.enable_retries", 0),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class AveragerServer:
+    """Serves Join (protobuf) and Reduce (raw frames) with generic handlers."""
+
+    def __init__(self, join: JoinHandler, reduce: ReduceHandler,
+                 max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+        self._join = join
+        self._reduce = reduce
+        self.max_message = max_message
+        self.server: aio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = aio.server(options=channel_options(self.max_message)
+                                 + [("grpc.so_reuseport", 0)])
+        handlers = {
+            "Join": grpc.unary_stream_rpc_method_handler(
+                self._join,
+                request_deserializer=pb.JoinRequest.FromString,
+                response_serializer=pb.JoinResponse.SerializeToString,
+            ),
+            "Reduce": grpc.stream_stream_rpc_method_handler(self._reduce_entry),
+        }
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        )
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bound = self.server.add_insecure_port(target)
+        if bound == 0:
+            raise OSError(f"cannot bind gRPC to {target}")
+        await self.server.start()
+        return bound
+
+    async def _reduce_entry(self, request_iterator: Any, context: aio.ServicerContext) -> None:
+        await self._reduce(context)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+
+
+class ChannelPool:
+    """One channel per peer endpoint, created inside the running loop and reused."""
+
+    def __init__(self, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+        self.max_message = max_message
+        self._channels: dict[str, aio.Channel] = {}
+
+    def channel(self, endpoint: str) -> aio.Channel:
+        ch = self._channels.get(endpoint)
+        if ch is None:
+            ch = aio.insecure_channel(endpoint, options=channel_options(self.max_message))
+            self._channels[endpoint] = ch
+            if len(self._channels) > 512:
+                oldest = next(iter(self._channels))
+                old = self._channels.pop(oldest)
+                _ = old.close()
+        return ch
+
+    def join(self, endpoint: str, request: pb.JoinRequest, timeout: float) -> Any:
+        method = self.channel(endpoint).unary_stream(
+            JOIN,
+            request_serializer=pb.JoinRequest.SerializeToString,
+            response_deserializer=pb.JoinResponse.FromString,
+        )
+        return method(request, timeout=timeout)
+
+    def reduce(self, endpoint: str, timeout: float) -> Any:
+        return self.channel(endpoint).stream_stream(REDUCE)(timeout=timeout)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
