@@ -20,7 +20,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
-
 from moshpit.errors import DaemonUnavailable, InvalidRequest, ProtocolError, from_reply
 
 MAX_FRAME = 1 << 20
@@ -142,7 +141,8 @@ class Client:
             os.close(fd)
         self._mmap, self._size = buf, size  # the old mapping goes when its views do
 
-    def _request(self, msg: dict[str, Any], timeout: float, fd: int | None = None) -> dict[str, Any]:
+    def _request(self, msg: dict[str, Any], timeout: float,
+                 fd: int | None = None) -> dict[str, Any]:
         self._next_id += 1
         rid = self._next_id
         payload = msgpack.packb({**msg, "id": rid}, use_bin_type=True)
@@ -192,4 +192,4 @@ class Client:
         return b"".join(chunks)
 
 
-__all__ = ["Client", "RoundInfo", "InvalidRequest"]
+__all__ = ["Client", "InvalidRequest", "RoundInfo"]

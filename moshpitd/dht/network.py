@@ -51,7 +51,7 @@ async def resolve(hostport: tuple[str, int]) -> tuple[str, int]:
     return normalise_host(str(infos[0][4][0])), port
 
 
-class DHTNode(Server):  # type: ignore[misc]
+class DHTNode(Server):
     protocol_class = SubkeyProtocol
     protocol: SubkeyProtocol
     storage: SubkeyStorage
@@ -93,7 +93,8 @@ class DHTNode(Server):  # type: ignore[misc]
     def peer_count(self) -> int:
         return sum(len(b) for b in self.protocol.router.buckets)
 
-    def _next_version(self) -> int:
+    def next_version(self) -> int:
+        """Versions order one writer's records; they come from its own clock only."""
         self._last_version = max(self._last_version + 1, time.time_ns())
         return self._last_version
 
@@ -113,10 +114,11 @@ class DHTNode(Server):  # type: ignore[misc]
             self._nearest_cache.clear()
         return found
 
-    async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float) -> int:
+    async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float,
+                        version: int | None = None) -> int:
         """Store on the k closest nodes and locally; returns how many copies were accepted."""
         dkey = digest(key)
-        version = self._next_version()
+        version = self.next_version() if version is None else version
         stored = int(self.storage.store_sub(dkey, subkey, value, version, ttl))
         nodes = await self._nearest(dkey)
         results = await asyncio.gather(

@@ -27,7 +27,7 @@ def _is_id(value: object) -> bool:
     return isinstance(value, bytes) and len(value) == ID_BYTES
 
 
-class SubkeyProtocol(KademliaProtocol):  # type: ignore[misc]
+class SubkeyProtocol(KademliaProtocol):
     storage: SubkeyStorage
 
     def __init__(
@@ -103,17 +103,17 @@ class SubkeyProtocol(KademliaProtocol):  # type: ignore[misc]
     def rpc_ping(self, sender: tuple[str, int], nodeid: bytes) -> bytes:
         if not _is_id(nodeid):
             raise ValueError("malformed ping")
-        return super().rpc_ping(sender, nodeid)  # type: ignore[no-any-return]
+        return super().rpc_ping(sender, nodeid)
 
     def rpc_store(self, sender: tuple[str, int], nodeid: bytes, key: bytes, value: object) -> bool:
         if not (_is_id(nodeid) and _is_id(key)) or not isinstance(value, int | float | str | bytes):
             raise ValueError("malformed store")
-        return super().rpc_store(sender, nodeid, key, value)  # type: ignore[no-any-return]
+        return super().rpc_store(sender, nodeid, key, value)
 
     def rpc_find_node(self, sender: tuple[str, int], nodeid: bytes, key: bytes) -> list[Any]:
         if not (_is_id(nodeid) and _is_id(key)):
             raise ValueError("malformed find_node")
-        return super().rpc_find_node(sender, nodeid, key)  # type: ignore[no-any-return]
+        return super().rpc_find_node(sender, nodeid, key)
 
     def rpc_find_value(self, sender: tuple[str, int], nodeid: bytes, key: bytes) -> Any:
         if not (_is_id(nodeid) and _is_id(key)):

@@ -25,7 +25,7 @@ class StoredSub:
     deadline: float
 
 
-class SubkeyStorage(IStorage):  # type: ignore[misc]
+class SubkeyStorage(IStorage):
     """Bounded store of subkey records; also satisfies kademlia's IStorage for plain keys."""
 
     def __init__(
@@ -45,7 +45,7 @@ class SubkeyStorage(IStorage):  # type: ignore[misc]
     # --- subkey records -------------------------------------------------------------------
     def store_sub(self, key: bytes, subkey: bytes, value: bytes, version: int, ttl: float) -> bool:
         """Merge one record; returns False when it was refused or older than what we hold."""
-        if len(value) > self.max_value_bytes or not 0 <= ttl or len(subkey) > 64:
+        if len(value) > self.max_value_bytes or not ttl >= 0 or len(subkey) > 64:
             return False
         now = self.clock()
         self._expire(key, now)

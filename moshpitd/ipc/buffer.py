@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -47,7 +48,6 @@ class SharedBuffer:
         return memoryview(self.mmap)
 
     def close(self) -> None:
-        try:
+        # numpy views still alive keep the mapping; it goes with the last of them
+        with contextlib.suppress(BufferError):
             self.mmap.close()
-        except BufferError:
-            pass  # numpy views still alive; the mapping goes with the last of them

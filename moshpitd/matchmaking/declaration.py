@@ -35,8 +35,10 @@ class Candidate:
     peer_id: bytes
     declaration: Declaration
     deadline: float  # in our monotonic clock
+    version: int  # the declarer's own timestamp of its declaration
 
     @property
-    def rank(self) -> tuple[float, bytes]:
-        """The earliest deadline leads; peer id breaks ties so every peer agrees on order."""
-        return (self.deadline, self.peer_id)
+    def rank(self) -> tuple[int, bytes]:
+        """The earliest declaration leads. Every reader sees the same version in the record,
+        so all peers agree on the order; a skewed clock only changes who leads."""
+        return (self.version, self.peer_id)

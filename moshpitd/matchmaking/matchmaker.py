@@ -72,6 +72,8 @@ class Matchmaker:
         self._seen_mismatch: set[bytes] = set()
         self._seen_match: set[bytes] = set()
         self._stable_polls = 0
+        self._version = 0
+        self._asking: bytes | None = None  # the peer we are asking to lead us, if any
 
     @property
     def declaration(self) -> Declaration:
@@ -85,7 +87,9 @@ class Matchmaker:
             attempts += 1
             self._deadline = min(time.monotonic() + self.req.attempt_seconds, final)
             ttl = self._deadline - time.monotonic()
-            await self.dht.store_sub(self.req.key, self.me.peer_id, self.declaration.pack(), ttl)
+            self._version = self.dht.next_version()
+            await self.dht.store_sub(self.req.key, self.me.peer_id, self.declaration.pack(), ttl,
+                                     version=self._version)
             self.accepting = not self.req.client_mode
             try:
                 group = await self._attempt(final)
@@ -127,7 +131,10 @@ class Matchmaker:
             if now >= self._deadline:
                 self._disband(None)
                 return None
-            my_rank = (self._deadline, self.me.peer_id)
+            my_rank = (self._version, self.me.peer_id)
+            log.debug("%s: %d candidates, %d followers, %d before us", self.me.peer_id.hex()[:6],
+                      len(candidates), len(self.followers),
+                      sum(c.rank < my_rank for c in candidates))
             for cand in sorted(candidates, key=lambda c: c.rank):
                 if cand.rank >= my_rank or cand.peer_id in tried:
                     continue
@@ -161,7 +168,7 @@ class Matchmaker:
                 self._seen_mismatch.add(peer_id)
                 continue
             self._seen_match.add(peer_id)
-            out.append(Candidate(peer_id, decl, now + rec.ttl))
+            out.append(Candidate(peer_id, decl, now + rec.ttl, rec.version))
         return out
 
     def _ready_to_assemble(self, candidates: list[Candidate], now: float) -> bool:
@@ -218,12 +225,16 @@ class Matchmaker:
             if remaining <= 0:
                 return None
             call = self.pool.join(leader.declaration.endpoint, request, timeout=remaining)
+            self._asking = leader.peer_id
             try:
                 nxt = await self._follow_call(call, leader)
+                log.debug("%s: join %s -> %s", self.me.peer_id.hex()[:6],
+                          leader.peer_id.hex()[:6], type(nxt).__name__)
             except (aio.AioRpcError, TimeoutError) as exc:
                 log.debug("join %s failed: %r", leader.peer_id.hex()[:8], exc)
                 nxt = None
             finally:
+                self._asking = None
                 call.cancel()
                 if self.leader is not None and not self.assembled.done():
                     self.leader = None
@@ -240,11 +251,22 @@ class Matchmaker:
             first = await call.read()
         if first is aio.EOF:
             return None
+        log.debug("%s: %s answers %s %s", self.me.peer_id.hex()[:6], leader.peer_id.hex()[:6],
+                  pb.JoinCode.Name(first.code), first.message)
         if first.code == pb.ACCEPTED:
             self.leader = leader
             self.accepting = False
             self._disband(leader)
-            resp = await call.read()  # bounded by the call's own timeout
+            # A leader that never assembles (say, caught in a cycle of inconsistent views) must
+            # not hold us past its own deadline.
+            patience = max(self._deadline, leader.deadline) + 1.0 - time.monotonic()
+            try:
+                async with asyncio.timeout(max(patience, 0.1)):
+                    resp = await call.read()
+            except TimeoutError:
+                log.debug("%s: leader %s did not assemble in time", self.me.peer_id.hex()[:6],
+                          leader.peer_id.hex()[:6])
+                return None
             if resp is aio.EOF:
                 return None
         else:
@@ -268,7 +290,7 @@ class Matchmaker:
                 return None
             return Candidate(resp.suggested_leader_id,
                              Declaration(resp.suggested_leader, self.req.schema_hash),
-                             leader.deadline)
+                             leader.deadline, leader.version)
         return None
 
     # --- leading: the server side of Join ---------------------------------------------------
@@ -288,7 +310,7 @@ class Matchmaker:
                 del self.followers[request.peer_id]
 
     def _check_join(self, request: pb.JoinRequest) -> pb.JoinResponse | None:
-        def no(code: int, message: str) -> pb.JoinResponse:
+        def no(code: pb.JoinCode, message: str) -> pb.JoinResponse:
             return pb.JoinResponse(code=code, message=message)
 
         if request.protocol_version != PROTOCOL_VERSION:
@@ -307,6 +329,9 @@ class Matchmaker:
             return no(pb.NOT_LOOKING, "not accepting followers now")
         if request.schema_hash != self.req.schema_hash:
             return no(pb.BAD_SCHEMA, "tensor dtypes/shapes differ from this group's")
+        if self._asking == request.peer_id and request.peer_id < self.me.peer_id:
+            # Both of us asked the other at once: the lower peer id leads, on both sides.
+            return no(pb.NOT_LOOKING, "we are asking you to lead; the lower peer id leads")
         if request.peer_id == self.me.peer_id or request.peer_id in self.followers:
             return no(pb.DUPLICATE_PEER, "peer is already a member")
         if 1 + len(self.followers) >= self.req.target_size:
@@ -318,4 +343,4 @@ def not_looking(key: str) -> pb.JoinResponse:
     return pb.JoinResponse(code=pb.NOT_LOOKING, message=f"not matchmaking under {key!r}")
 
 
-__all__ = ["Matchmaker", "MatchRequest", "MatchmakingError", "Self", "not_looking"]
+__all__ = ["MatchRequest", "Matchmaker", "MatchmakingError", "Self", "not_looking"]

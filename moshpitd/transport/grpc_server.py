@@ -44,8 +44,8 @@ class AveragerServer:
         self.server: aio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self.server = aio.server(options=channel_options(self.max_message)
-                                 + [("grpc.so_reuseport", 0)])
+        options = [*channel_options(self.max_message), ("grpc.so_reuseport", 0)]
+        self.server = aio.server(options=options)
         handlers = {
             "Join": grpc.unary_stream_rpc_method_handler(
                 self._join,

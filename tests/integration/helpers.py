@@ -1,0 +1,46 @@
+"""Helpers for integration tests: run blocking client calls side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def run_parallel(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[Any]:
+    """Returns each call's result or the exception it raised, in order."""
+    with ThreadPoolExecutor(len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        out: list[Any] = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+
+def weighted_mean(arrays: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    stacked = np.stack([a.astype(np.float64) for a in arrays])
+    w = np.asarray(weights, dtype=np.float64).reshape(-1, *([1] * (stacked.ndim - 1)))
+    return (stacked * w).sum(0) / w.sum()
+
+
+def assert_close_to_mean(result: torch.Tensor, inputs: list[torch.Tensor],
+                         weights: list[float]) -> None:
+    """Within 1e-6 relative for float32 (1e-12 float64, 1e-3 float16), measured against the
+    mean's scale so that elements whose mean is near zero do not need exact cancellation."""
+    expected = weighted_mean([t.numpy() for t in inputs], weights)
+    rtol = {torch.float16: 1e-3, torch.float32: 1e-6, torch.float64: 1e-12}[result.dtype]
+    got = result.numpy().astype(np.float64)
+    scale = np.abs(np.stack([t.numpy().astype(np.float64) for t in inputs])).max(0)
+    assert result.shape == inputs[0].shape and result.dtype == inputs[0].dtype
+    err = np.abs(got - expected)
+    bad = err > rtol * np.maximum(scale, np.abs(expected)) + 1e-30
+    assert not bad.any(), (
+        f"{bad.sum()} of {bad.size} elements off; worst {err.max():.3g} at "
+        f"{np.unravel_index(err.argmax(), err.shape)}"
+    )
