@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moshpitd.proto import moshpit_pb2 as pb
@@ -33,7 +34,8 @@ class Group:
     @property
     def shares(self) -> list[float]:
         """Span shares: client-mode peers accept no connections, so they own nothing."""
-        return [0.0 if m.client_mode else max(m.bandwidth, 1e-9) for m in self.members]
+        return [0.0 if m.client_mode or not math.isfinite(m.bandwidth)
+                else min(max(m.bandwidth, 1e-9), 1e12) for m in self.members]
 
     def to_proto(self) -> pb.GroupInfo:
         return pb.GroupInfo(

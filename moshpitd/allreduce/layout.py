@@ -111,9 +111,10 @@ def _make_run(specs: Sequence[TensorSpec], idx: list[int]) -> Run:
 
 def span_bounds(total: int, shares: Sequence[float]) -> list[int]:
     """Cut [0, total) into len(shares) spans proportional to shares; returns n+1 bounds."""
-    if not shares or any(s < 0 for s in shares) or sum(shares) <= 0:
-        raise ValueError("shares must be non-negative with a positive sum")
-    cum = np.concatenate([[0.0], np.cumsum(np.asarray(shares, dtype=np.float64))])
+    arr = np.asarray(shares, dtype=np.float64)
+    if arr.size == 0 or not np.isfinite(arr).all() or (arr < 0).any() or arr.max() <= 0:
+        raise ValueError("shares must be finite, non-negative, with a positive sum")
+    cum = np.concatenate([[0.0], np.cumsum(arr / arr.max())])
     bounds = np.floor(cum / cum[-1] * total + 0.5).astype(np.int64)
     bounds[-1] = total
     return [int(b) for b in bounds]

@@ -1,0 +1,319 @@
+"""SubkeyProtocol handlers without a network: argument validation, storage, replies, replication."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import umsgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kademlia.node import Node
+
+from moshpitd.dht.protocol import SubkeyProtocol
+from moshpitd.dht.storage import SubkeyStorage
+
+SELF_ID = b"\x01" * 20
+PEER_ID = b"\x02" * 20
+KEY = b"\x03" * 20
+ADDR = ("10.0.0.2", 4000)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 500.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, tuple[str, int]]] = []
+
+    def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.sent.append((data, addr))
+
+
+def _proto(self_id: bytes = SELF_ID, transport: bool = False) -> SubkeyProtocol:
+    storage = SubkeyStorage(clock=FakeClock())
+    proto = SubkeyProtocol(Node(self_id, "127.0.0.1", 1), storage, ksize=20, wait_timeout=1.0)
+    if transport:
+        proto.connection_made(FakeTransport())  # type: ignore[arg-type]
+    return proto
+
+
+def _in_loop(body: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(asyncio.wait_for(body(), 5.0))
+
+
+def _request(name: str, *args: object, msg_id: bytes = b"\x07" * 20) -> bytes:
+    return b"\x00" + msg_id + umsgpack.packb([name, list(args)])
+
+
+# --- direct handler calls ---------------------------------------------------------------------
+
+
+def test_store_sub_then_find_subs() -> None:
+    proto = _proto()
+    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"peer-a", b"decl", 3, 30.0) is True
+    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"peer-b", b"", 1, 10) is True  # int ttl
+    got = proto.rpc_find_subs(ADDR, PEER_ID, KEY)
+    assert sorted(got["subs"]) == [[b"peer-a", b"decl", 3, 30.0], [b"peer-b", b"", 1, 10.0]]
+    assert proto.rpc_find_subs(ADDR, PEER_ID, b"\x09" * 20) == {"subs": []}
+
+
+def test_store_sub_merges_by_version() -> None:
+    proto = _proto()
+    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"p", b"new", 5, 30.0) is True
+    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"p", b"old", 4, 30.0) is False
+    assert proto.rpc_find_subs(ADDR, PEER_ID, KEY)["subs"] == [[b"p", b"new", 5, 30.0]]
+
+
+def test_store_sub_refusals_are_false_not_errors() -> None:
+    proto = _proto()
+    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"p", b"v", 1, -1.0) is False
+    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"p", b"x" * 5000, 1, 1.0) is False
+    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"s" * 65, b"v", 1, 1.0) is False
+    assert proto.rpc_find_subs(ADDR, PEER_ID, KEY) == {"subs": []}
+
+
+def test_handler_adds_sender_to_routing_table() -> None:
+    proto = _proto()
+    proto.rpc_find_subs(ADDR, PEER_ID, KEY)
+    assert not proto.router.is_new_node(Node(PEER_ID))
+    neighbors = proto.router.find_neighbors(Node(KEY))
+    assert [(n.id, n.ip, n.port) for n in neighbors] == [(PEER_ID, *ADDR)]
+
+
+_GOOD_STORE = (PEER_ID, KEY, b"sk", b"value", 1, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("position", "bad"),
+    [
+        (0, b"\x02" * 19), (0, b"\x02" * 21), (0, "x" * 20), (0, None), (0, 7),
+        (1, b"\x03" * 19), (1, b""), (1, "k" * 20), (1, [1]),
+        (2, "sk"), (2, None), (2, 1),
+        (3, "value"), (3, None), (3, [b"v"]),
+        (4, 1.0), (4, "1"), (4, None),
+        (5, "10"), (5, None), (5, True), (5, b"\x0a"),
+    ],
+)
+def test_store_sub_malformed_raises_value_error(position: int, bad: object) -> None:
+    proto = _proto()
+    args = list(_GOOD_STORE)
+    args[position] = bad
+    with pytest.raises(ValueError):
+        proto.rpc_store_sub(ADDR, *args)  # type: ignore[arg-type]
+    assert proto.storage.sub_keys() == []
+    assert proto.router.is_new_node(Node(PEER_ID))  # a bad request does not earn a contact
+
+
+@pytest.mark.parametrize(
+    ("nodeid", "key"),
+    [(b"\x02" * 19, KEY), (PEER_ID, b"\x03" * 21), ("a" * 20, KEY), (PEER_ID, None),
+     (None, None), (PEER_ID, 3)],
+)
+def test_find_subs_malformed_raises_value_error(nodeid: object, key: object) -> None:
+    with pytest.raises(ValueError):
+        _proto().rpc_find_subs(ADDR, nodeid, key)  # type: ignore[arg-type]
+
+
+def test_stock_rpcs_validate_arguments() -> None:
+    proto = _proto()
+    with pytest.raises(ValueError):
+        proto.rpc_ping(ADDR, b"short")
+    with pytest.raises(ValueError):
+        proto.rpc_store(ADDR, PEER_ID, KEY, [1, 2])
+    with pytest.raises(ValueError):
+        proto.rpc_store(ADDR, PEER_ID, b"k", b"v")
+    with pytest.raises(ValueError):
+        proto.rpc_find_node(ADDR, PEER_ID, "k" * 20)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        proto.rpc_find_value(ADDR, None, KEY)  # type: ignore[arg-type]
+
+
+def test_stock_rpcs_work_with_good_arguments() -> None:
+    proto = _proto()
+    assert proto.rpc_ping(ADDR, PEER_ID) == SELF_ID
+    assert proto.rpc_store(ADDR, PEER_ID, KEY, b"plain") is True
+    assert proto.storage.get(KEY) == b"plain"
+    assert proto.rpc_find_value(ADDR, PEER_ID, KEY) == {"value": b"plain"}
+    other = b"\x05" * 20
+    proto.rpc_ping(("10.0.0.5", 5), other)
+    # unknown value: falls back to neighbours, excluding the asker
+    assert proto.rpc_find_value(ADDR, PEER_ID, b"\x09" * 20) == [(other, "10.0.0.5", 5)]
+    assert proto.rpc_find_node(ADDR, PEER_ID, KEY) == [(other, "10.0.0.5", 5)]
+
+
+# --- datagrams through _safe_solve --------------------------------------------------------------
+
+
+def test_datagram_store_sub_gets_a_reply() -> None:
+    async def body() -> None:
+        proto = _proto(transport=True)
+        msg_id = b"\x11" * 20
+        proto.datagram_received(
+            _request("store_sub", PEER_ID, KEY, b"p", b"decl", 2, 15.0, msg_id=msg_id), ADDR
+        )
+        for _ in range(5):
+            await asyncio.sleep(0)
+        sent = proto.transport.sent  # type: ignore[union-attr]
+        assert sent == [(b"\x01" + msg_id + umsgpack.packb(True), ADDR)]
+        assert proto.storage.get_subs(KEY) == {b"p": (b"decl", 2, 15.0)}
+        assert proto.malformed == 0
+
+        await proto._safe_solve(_request("find_subs", PEER_ID, KEY, msg_id=msg_id), ADDR)
+        data, addr = sent[-1]
+        assert addr == ADDR and data[:21] == b"\x01" + msg_id
+        assert umsgpack.unpackb(data[21:]) == {"subs": [[b"p", b"decl", 2, 15.0]]}
+
+    _in_loop(body)
+
+
+@pytest.mark.parametrize(
+    "datagram",
+    [
+        b"",
+        b"\x00" * 21,  # too short for a body
+        b"\x02" + b"\x07" * 20 + umsgpack.packb(["ping", [PEER_ID]]),  # unknown kind
+        b"\x00" + b"\x07" * 20 + b"\xc1",  # undecodable
+        b"\x00" + b"\x07" * 20 + umsgpack.packb({"ping": [PEER_ID]}),  # not a list
+        b"\x00" + b"\x07" * 20 + umsgpack.packb(["ping"]),  # wrong length
+        b"\x00" + b"\x07" * 20 + umsgpack.packb([1, [PEER_ID]]),  # name not str
+        _request("no_such_rpc", PEER_ID),
+        b"\x00" + b"\x07" * 20 + umsgpack.packb(["ping", PEER_ID]),  # args not a list
+        _request("ping"),  # missing argument
+        _request("ping", PEER_ID, PEER_ID),  # extra argument
+        _request("ping", b"short"),
+        _request("store_sub", PEER_ID, KEY, "p", b"v", 1, 1.0),
+        _request("store_sub", PEER_ID, KEY, b"p", b"v", 1, "1"),
+        _request("find_subs", PEER_ID, b"k"),
+        _request("store", PEER_ID, KEY, {"a": 1}),
+        _request("find_node", PEER_ID, None),
+        _request("find_value", 1, KEY),
+    ],
+)
+def test_malformed_datagrams_are_counted_and_unanswered(datagram: bytes) -> None:
+    async def body() -> None:
+        proto = _proto(transport=True)
+        await proto._safe_solve(datagram, ADDR)
+        assert proto.malformed == 1
+        assert proto.transport.sent == []  # type: ignore[union-attr]
+        assert proto.storage.sub_keys() == []
+
+    _in_loop(body)
+
+
+def test_unsolicited_response_is_ignored() -> None:
+    async def body() -> None:
+        proto = _proto(transport=True)
+        await proto._safe_solve(b"\x01" + b"\x07" * 20 + umsgpack.packb(True), ADDR)
+        assert proto.transport.sent == []  # type: ignore[union-attr]
+
+    _in_loop(body)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False) | st.text(max_size=10)
+    | st.binary(max_size=22) | st.sampled_from([PEER_ID, KEY, b"\x00" * 20]),
+    lambda children: st.lists(children, max_size=4),
+    max_leaves=8,
+)
+rpc_names = st.sampled_from(
+    ["store_sub", "find_subs", "ping", "store", "find_node", "find_value", "stun", "nope",
+     "_safe_solve", "__init__"]
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=rpc_names, args=st.lists(msgpack_values, max_size=7), kind=st.sampled_from(b"\x00\x01"))
+def test_fuzzed_requests_never_raise(name: str, args: list[object], kind: int) -> None:
+    datagram = bytes([kind]) + b"\x07" * 20 + umsgpack.packb([name, args])
+
+    async def body() -> None:
+        proto = _proto(transport=True)
+        await proto._safe_solve(datagram, ADDR)
+        sent = proto.transport.sent  # type: ignore[union-attr]
+        replies = [d for d, a in sent if a == ADDR and d[:1] == b"\x01"]
+        if kind == 0:
+            # a request is either answered once or counted as malformed
+            assert (len(replies), proto.malformed) in ((1, 0), (0, 1))
+        else:
+            assert sent == [] and proto.malformed == 0
+
+    _in_loop(body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(datagram=st.binary(max_size=80))
+def test_arbitrary_datagrams_never_raise(datagram: bytes) -> None:
+    async def body() -> None:
+        proto = _proto(transport=True)
+        await proto._safe_solve(datagram, ADDR)
+        assert proto.malformed in (0, 1)
+
+    _in_loop(body)
+
+
+# --- replication to newcomers -------------------------------------------------------------------
+
+NEAR_SELF = b"\x00" * 19 + b"\x01"  # distance 1 from the zero key
+ZERO_KEY = b"\x00" * 20
+
+
+def test_newcomer_gets_records_when_table_is_empty() -> None:
+    async def body() -> None:
+        proto = _proto(NEAR_SELF, transport=True)
+        proto.storage.store_sub(ZERO_KEY, b"p", b"decl", 4, 20.0)
+        newcomer = b"\x00" * 19 + b"\x02"
+        assert proto.rpc_ping(("10.0.0.9", 9), newcomer) == NEAR_SELF
+        for _ in range(5):
+            await asyncio.sleep(0)
+        sent = proto.transport.sent  # type: ignore[union-attr]
+        assert len(sent) == 1
+        data, addr = sent[0]
+        assert addr == ("10.0.0.9", 9)
+        assert data[:1] == b"\x00"
+        name, args = umsgpack.unpackb(data[21:])
+        assert name == "store_sub"
+        assert list(args) == [NEAR_SELF, ZERO_KEY, b"p", b"decl", 4, 20.0]
+        # the reply resolves the outstanding call
+        msg_id = data[1:21]
+        proto.datagram_received(b"\x01" + msg_id + umsgpack.packb(True), addr)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert msg_id not in proto._outstanding
+
+    _in_loop(body)
+
+
+def test_records_go_to_close_newcomer_only() -> None:
+    async def body() -> None:
+        proto = _proto(NEAR_SELF, transport=True)
+        far = b"\xf0" + b"\x00" * 19
+        proto.rpc_ping(("10.0.0.1", 1), far)  # table: one far contact, storage empty
+        proto.storage.store_sub(ZERO_KEY, b"p", b"decl", 1, 20.0)
+        sent = proto.transport.sent  # type: ignore[union-attr]
+
+        proto.rpc_ping(("10.0.0.2", 2), b"\xff" * 20)  # farther than the far contact
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sent == []
+
+        proto.rpc_ping(("10.0.0.3", 3), b"\x00" * 19 + b"\x03")  # closer than the far contact
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert [addr for _, addr in sent] == [("10.0.0.3", 3)]
+        assert umsgpack.unpackb(sent[0][0][21:])[0] == "store_sub"
+
+        proto.rpc_ping(("10.0.0.3", 3), b"\x00" * 19 + b"\x03")  # known now: nothing more
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(sent) == 1
+
+    _in_loop(body)

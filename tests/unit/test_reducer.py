@@ -1,0 +1,161 @@
+"""PartReducer: weighted means against numpy, completion, and rejection of bad contributions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from moshpitd.allreduce.layout import Part
+from moshpitd.allreduce.reducer import PartReducer, ReductionError
+
+DTYPES = [np.float16, np.float32, np.float64]
+
+
+def _reducer(numel: int = 4, senders: int = 3, dtype: type = np.float32) -> PartReducer:
+    return PartReducer([Part(0, 0, 0, numel, 0)], {0: np.dtype(dtype)}, senders)
+
+
+@st.composite
+def contributions(draw: st.DrawFn) -> tuple[type, list[float], list[np.ndarray], list[int]]:
+    dtype = draw(st.sampled_from(DTYPES))
+    n = draw(st.integers(min_value=1, max_value=6))
+    numel = draw(st.integers(min_value=1, max_value=16))
+    weights = draw(
+        st.lists(
+            st.one_of(st.just(0.0), st.floats(min_value=1e-3, max_value=1e3)),
+            min_size=n, max_size=n,
+        ).filter(lambda ws: sum(ws) >= 1e-3)
+    )
+    bound = 1e3 if dtype is np.float16 else 1e6
+    elements = st.floats(min_value=-bound, max_value=bound, width=np.dtype(dtype).itemsize * 8)
+    xs = [draw(hnp.arrays(dtype, numel, elements=elements)) for _ in range(n)]
+    order = draw(st.permutations(range(n)))
+    return dtype, weights, xs, order
+
+
+@settings(max_examples=200, deadline=None)
+@given(c=contributions())
+def test_weighted_mean_matches_numpy(
+    c: tuple[type, list[float], list[np.ndarray], list[int]],
+) -> None:
+    dtype, weights, xs, order = c
+    n, numel = len(xs), xs[0].size
+    red = _reducer(numel, n, dtype)
+    for k, sender in enumerate(order):
+        complete = red.add(0, sender, weights[sender], xs[sender])
+        assert complete == (k == n - 1)
+        assert red.contributors(0) == k + 1
+    got = red.result(0)
+    assert got.dtype == np.dtype(dtype)
+    assert got.shape == (numel,)
+    stack = np.stack([x.astype(np.float64) for x in xs])
+    want = np.average(stack, weights=weights, axis=0)
+    info = np.finfo(dtype)
+    # the cast to dtype rounds to nearest (rtol = eps covers half an ulp); the float64
+    # accumulation may differ from numpy's by a few ulps of the largest term
+    atol = float(info.smallest_subnormal) + 1e-12 * float(np.abs(stack).max())
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=float(info.eps), atol=atol)
+
+
+def test_simple_weighted_mean() -> None:
+    red = _reducer(3, 2, np.float32)
+    assert not red.add(0, 0, 1.0, np.array([0, 10, 4], dtype=np.float32))
+    assert red.add(0, 1, 3.0, np.array([4, 2, 8], dtype=np.float32))
+    np.testing.assert_array_equal(red.result(0), [3, 4, 7])
+
+
+def test_completion_only_after_all_expected_senders() -> None:
+    red = _reducer(2, 3)
+    x = np.ones(2, dtype=np.float32)
+    assert red.add(0, 5, 1.0, x) is False
+    assert red.add(0, 1, 1.0, x) is False
+    assert red.contributors(0) == 2
+    assert red.add(0, 2, 1.0, x) is True
+    assert red.contributors(0) == 3
+
+
+def test_duplicate_sender_rejected_and_ignored() -> None:
+    red = _reducer(2, 2)
+    red.add(0, 0, 1.0, np.array([1, 1], dtype=np.float32))
+    with pytest.raises(ReductionError):
+        red.add(0, 0, 5.0, np.array([9, 9], dtype=np.float32))
+    assert red.contributors(0) == 1
+    np.testing.assert_array_equal(red.result(0), [1, 1])  # the duplicate did not count
+    assert red.add(0, 1, 1.0, np.array([3, 3], dtype=np.float32))
+    np.testing.assert_array_equal(red.result(0), [2, 2])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.zeros(3, dtype=np.float32),
+        np.zeros(5, dtype=np.float32),
+        np.zeros(0, dtype=np.float32),
+        np.zeros((2, 2), dtype=np.float32),
+        np.zeros((4, 1), dtype=np.float32),
+        np.float32(0.0).reshape(()),
+    ],
+    ids=["short", "long", "empty", "2d-same-size", "column", "scalar"],
+)
+def test_wrong_size_rejected(values: np.ndarray) -> None:
+    red = _reducer(4, 2)
+    with pytest.raises(ReductionError):
+        red.add(0, 0, 1.0, values)
+    assert red.contributors(0) == 0
+
+
+def test_unknown_part_rejected() -> None:
+    red = _reducer(4, 1)
+    with pytest.raises(ReductionError):
+        red.add(1, 0, 1.0, np.zeros(4, dtype=np.float32))
+    with pytest.raises(ReductionError):
+        red.add(-1, 0, 1.0, np.zeros(4, dtype=np.float32))
+
+
+def test_zero_total_weight_fails_on_result() -> None:
+    red = _reducer(2, 2)
+    red.add(0, 0, 0.0, np.ones(2, dtype=np.float32))
+    assert red.add(0, 1, 0.0, np.ones(2, dtype=np.float32))
+    with pytest.raises(ReductionError):
+        red.result(0)
+
+
+def test_result_without_contributions_fails() -> None:
+    with pytest.raises(ReductionError):
+        _reducer(2, 2).result(0)
+
+
+def test_reduction_error_is_value_error() -> None:
+    assert issubclass(ReductionError, ValueError)
+
+
+def test_parts_are_independent_and_keep_their_run_dtype() -> None:
+    parts = [Part(0, 0, 0, 2, 1), Part(1, 1, 0, 3, 1), Part(2, 1, 3, 4, 1)]
+    red = PartReducer(parts, {0: np.dtype(np.float16), 1: np.dtype(np.float64)}, 2)
+    assert not red.add(0, 0, 1.0, np.array([1, 2], dtype=np.float16))
+    assert not red.add(1, 0, 1.0, np.array([1, 2, 3], dtype=np.float64))
+    assert red.contributors(2) == 0
+    assert red.add(0, 1, 1.0, np.array([3, 4], dtype=np.float16))
+    assert red.contributors(1) == 1
+    r0 = red.result(0)
+    assert r0.dtype == np.float16
+    np.testing.assert_array_equal(r0, [2, 3])
+    assert red.add(1, 1, 3.0, np.array([5, 6, 7], dtype=np.float64))
+    r1 = red.result(1)
+    assert r1.dtype == np.float64
+    np.testing.assert_array_equal(r1, [4, 5, 6])
+    with pytest.raises(ReductionError):
+        red.add(2, 0, 1.0, np.zeros(3, dtype=np.float64))  # part 2 holds one element
+
+
+def test_float16_accumulates_in_float64() -> None:
+    """Sums that overflow float16 (max 65504) still average correctly."""
+    red = _reducer(1, 4, np.float16)
+    for s in range(4):
+        red.add(0, s, 10.0, np.array([60000], dtype=np.float16))
+    got = red.result(0)
+    assert got.dtype == np.float16
+    assert got[0] == np.float16(60000)
