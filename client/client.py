@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
+
 from moshpit.errors import DaemonUnavailable, InvalidRequest, ProtocolError, from_reply
 
 MAX_FRAME = 1 << 20
