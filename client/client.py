@@ -37,6 +37,9 @@ class RoundInfo:
     matchmaking_seconds: float
     bytes_sent: int
     bytes_received: int
+    round: int | None = None  # the grid round (None without a grid)
+    coords: tuple[int, ...] | None = None  # this peer's cell on the grid
+    group_sizes: tuple[int, ...] = ()  # one per round of a multi-round call
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[list[Any]], int]:
@@ -76,10 +79,14 @@ class Client:
 
     # --- public API -----------------------------------------------------------------------
     def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
-                timeout: float = 30.0, group_size: int = 16,
-                min_group_size: int = 2) -> list[torch.Tensor]:
+                timeout: float = 30.0, group_size: int = 16, min_group_size: int = 2,
+                grid: tuple[int, int] | None = None, rounds: int = 1,
+                initial_coords: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Weighted average of `tensors` with the peers averaging under `key`.
 
+        With grid=(M, d), `key` names a run on the Moshpit grid: each call averages with this
+        round's line of the grid (groups of up to M), and `rounds=k` chains k rounds, carrying
+        weights as mass, so d rounds on a full grid give the exact weighted global mean.
         Returns new tensors (same shapes, dtypes, devices); the inputs are left untouched."""
         tensors = list(tensors)
         specs, size = _layout(tensors)
@@ -92,10 +99,18 @@ class Client:
                 "op": "average", "key": key, "tensors": specs, "weight": float(weight),
                 "timeout": float(timeout), "group_size": int(group_size),
                 "min_group_size": int(min_group_size),
+                "grid": None if grid is None else [int(grid[0]), int(grid[1])],
+                "rounds": int(rounds),
+                "initial_coords": None if initial_coords is None else [int(c) for c in
+                                                                       initial_coords],
             }, timeout=timeout + 10.0)
-            self.last_round = RoundInfo(int(reply["group_size"]), float(reply["seconds"]),
-                                        float(reply["matchmaking_seconds"]),
-                                        int(reply["bytes_sent"]), int(reply["bytes_received"]))
+            coords = reply.get("coords")
+            self.last_round = RoundInfo(
+                int(reply["group_size"]), float(reply["seconds"]),
+                float(reply["matchmaking_seconds"]), int(reply["bytes_sent"]),
+                int(reply["bytes_received"]), reply.get("round"),
+                None if coords is None else tuple(coords),
+                tuple(reply.get("group_sizes", ())))
             return [v.clone().reshape(t.shape).to(t.device)
                     for v, t in zip(views, tensors, strict=True)]
 

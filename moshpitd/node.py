@@ -13,10 +13,19 @@ from typing import Any
 from grpc import aio
 
 from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound
+from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, TensorSpec, schema_hash
 from moshpitd.dht.network import DHTNode
-from moshpitd.matchmaking.errors import DuplicateRequest
-from moshpitd.matchmaking.matchmaker import Matchmaker, MatchRequest, Self, not_looking
+from moshpitd.matchmaking.errors import DuplicateRequest, GroupNotFound, NoPartners
+from moshpitd.matchmaking.grid import Grid, carried_weight
+from moshpitd.matchmaking.matchmaker import (
+    LineWatcher,
+    Matchmaker,
+    MatchRequest,
+    Self,
+    not_looking,
+)
+from moshpitd.matchmaking.runs import RunDirectory
 from moshpitd.metrics import Metrics
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport import frames
@@ -53,6 +62,20 @@ class AverageRequest:
     timeout: float = 30.0
     group_size: int = 16
     min_group_size: int = 2
+    grid: Grid | None = None
+    rounds: int = 1
+    initial_coords: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class AverageResult:
+    rounds: tuple[RoundRecord, ...]
+    coords: tuple[int, ...] | None
+    last_round: int | None
+
+    @property
+    def last(self) -> RoundRecord:
+        return self.rounds[-1]
 
 
 @dataclass(frozen=True)
@@ -75,6 +98,8 @@ class MoshpitNode:
         self.pool = ChannelPool(config.max_message)
         self.server = AveragerServer(self._handle_join, self._handle_reduce, config.max_message)
         self.matchmakers: dict[str, Matchmaker] = {}
+        self.runs: dict[str, RunDirectory] = {}
+        self._active: set[str] = set()
         self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
         self.recent: deque[RoundRecord] = deque(maxlen=100)
         self.rounds_done = 0
@@ -124,33 +149,91 @@ class MoshpitNode:
             "rounds_done": self.rounds_done,
             "rounds_failed": self.rounds_failed,
             "active_keys": sorted(self.matchmakers),
+            "runs": {name: {"grid": [r.grid.size, r.grid.dims], "coords": r.coords,
+                            "round": r.round} for name, r in self.runs.items()},
         }
 
     def recent_rounds(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self.recent]
 
     # --- one averaging request ------------------------------------------------------------
-    async def average(self, request: AverageRequest, buffer: memoryview) -> RoundRecord:
+    async def average(self, request: AverageRequest, buffer: memoryview) -> AverageResult:
         view = FlatView(buffer, request.specs)
-        if request.key in self.matchmakers:
+        if request.key in self._active:
             raise DuplicateRequest(f"this daemon is already averaging under key {request.key!r}")
-        start = time.monotonic()
-        final = start + request.timeout
-        match = MatchRequest(
-            key=request.key, schema_hash=schema_hash(request.specs), weight=request.weight,
-            target_size=request.group_size, min_size=request.min_group_size,
-            attempt_seconds=min(self.config.matchmaking_seconds, request.timeout),
-        )
-        mm = Matchmaker(Self(self.peer_id, self.grpc_endpoint), self.dht, self.pool, match)
-        self.matchmakers[request.key] = mm
+        self._active.add(request.key)
         try:
-            group = await mm.find_group(request.timeout)
+            if request.grid is None:
+                rec, _ = await self._one_round(request.key, request, view, request.weight,
+                                               request.timeout, None, request.group_size)
+                return AverageResult((rec,), None, None)
+            return await self._grid_rounds(request, view)
+        finally:
+            self._active.discard(request.key)
+
+    async def _grid_rounds(self, request: AverageRequest, view: FlatView) -> AverageResult:
+        grid = request.grid
+        assert grid is not None
+        run = self.runs.get(request.key)
+        if run is None or run.grid != grid:
+            if run is not None and request.initial_coords is None:
+                log.info("run %s: grid changed to %dx%d; choosing a new cell", request.key,
+                         grid.size, grid.dims)
+            run = self.runs[request.key] = RunDirectory(self.dht, self.peer_id, request.key, grid)
+        final = time.monotonic() + request.timeout
+        weight = request.weight
+        records: list[tuple[int, RoundRecord]] = []
+        for _ in range(request.rounds):
+            plan = await run.plan(request.initial_coords)
+            try:
+                remaining = final - time.monotonic()
+                if remaining <= 0:
+                    raise AllreduceError(f"timeout after {len(records)} of {request.rounds} "
+                                         "rounds")
+                try:
+                    rec, group = await self._one_round(
+                        plan.key, request, view, weight, remaining, plan.expected, grid.size,
+                        single_attempt=True, watcher=run.watcher(plan.round))
+                    group_weight = sum(m.weight for m in group.members)
+                    members = len(group.members)
+                except GroupNotFound:  # nobody came: a group of one keeps its value
+                    rec = self.recent[-1]
+                    group_weight, members = weight, 1
+            finally:
+                await run.finish(plan.round)
+            records.append((plan.round, rec))
+            weight = carried_weight(group_weight, members)
+        assert run.coords is not None
+        return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0])
+
+    async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
+                         timeout: float, expected: frozenset[bytes] | None, target: int,
+                         single_attempt: bool = False,
+                         watcher: LineWatcher | None = None) -> tuple[RoundRecord, Group]:
+        start = time.monotonic()
+        final = start + timeout
+        attempt = min(self.config.matchmaking_seconds, timeout)
+        match = MatchRequest(
+            key=key, schema_hash=schema_hash(request.specs), weight=weight,
+            target_size=target, min_size=request.min_group_size,
+            attempt_seconds=attempt, expected=expected,
+        )
+        mm = Matchmaker(Self(self.peer_id, self.grpc_endpoint), self.dht, self.pool, match,
+                        watcher)
+        self.matchmakers[key] = mm
+        try:
+            group = await mm.find_group(attempt if single_attempt else timeout)
+        except NoPartners:
+            self._record(key, 1, 0, 0, start, time.monotonic(), "alone")
+            raise
         except BaseException:
-            self._record(request.key, 0, 0, 0, start, start, "matchmaking_failed")
+            self._record(key, 0, 0, 0, start, start, "matchmaking_failed")
             raise
         finally:
-            del self.matchmakers[request.key]
+            del self.matchmakers[key]
         assembled = time.monotonic()
+        log.debug("group %s assembled: %s", group.group_id.hex()[:8],
+                  [m.peer_id.hex()[:6] for m in group.members])
         self.metrics.matchmaking_duration.observe(assembled - start)
         self.metrics.group_size.observe(len(group.members))
         rnd = ButterflyRound(group, group.index_of(self.peer_id), view, self.pool,
@@ -161,13 +244,14 @@ class MoshpitNode:
         try:
             result = await rnd.run(max(final - time.monotonic(), 0.05))
         except AllreduceError:
-            self._record(request.key, len(group.members), rnd.bytes_sent, rnd.bytes_received,
+            self._record(key, len(group.members), rnd.bytes_sent, rnd.bytes_received,
                          start, assembled, "allreduce_failed")
             raise
         finally:
             self._rounds.pop(group.group_id, None)
-        return self._record(request.key, result.group_size, result.bytes_sent,
-                            result.bytes_received, start, assembled, "ok")
+        rec = self._record(key, result.group_size, result.bytes_sent, result.bytes_received,
+                           start, assembled, "ok")
+        return rec, group
 
     def _record(self, key: str, size: int, sent: int, received: int, start: float,
                 assembled: float, result: str) -> RoundRecord:
@@ -178,7 +262,7 @@ class MoshpitNode:
         self.metrics.round_duration.observe(now - start)
         self.metrics.sent_bytes.inc(sent)
         self.metrics.received_bytes.inc(received)
-        if result == "ok":
+        if result in ("ok", "alone"):
             self.rounds_done += 1
             log.info("round key=%s group=%d sent=%d recv=%d mm=%.3fs total=%.3fs", key, size,
                      sent, received, assembled - start, now - start)
@@ -223,6 +307,8 @@ class MoshpitNode:
         except (TimeoutError, AllreduceError):
             if gid in self._rounds and not self._rounds[gid].done():
                 del self._rounds[gid]
+            log.warning("reduce stream for unknown group %s from member %d", gid.hex()[:8],
+                        header.sender)
             await context.write(frames.encode(pb.PartHeader(
                 group_id=gid, status=pb.ABORT, message="no such group on this peer")))
             return

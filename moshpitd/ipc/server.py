@@ -27,6 +27,7 @@ from moshpitd.allreduce.layout import LayoutError
 from moshpitd.ipc.buffer import BufferError_, SharedBuffer
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
 from moshpitd.matchmaking.errors import MatchmakingError
+from moshpitd.matchmaking.grid import Grid, GridError
 from moshpitd.node import AverageRequest, MoshpitNode, specs_from_wire
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,34 @@ class Session:
         if self.buffer is None:
             raise RequestError("no shared buffer attached: send 'attach' with a memfd first")
         specs = specs_from_wire(tensors)
-        request = AverageRequest(key, specs, weight, timeout, group_size, min_group)
+        grid_field = _field(msg, "grid", (list, type(None)))
+        grid = None
+        if grid_field is not None:
+            if not (len(grid_field) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                 for x in grid_field)):
+                raise RequestError("grid must be [M, d] (cells per dimension, dimensions)")
+            try:
+                grid = Grid(grid_field[0], grid_field[1])
+            except GridError as exc:
+                raise RequestError(str(exc)) from None
+            if grid.size < 2:
+                raise RequestError("a grid needs at least 2 cells per dimension")
+            min_group = min(min_group, grid.size)
+        rounds = _field(msg, "rounds", int, 1)
+        if not 1 <= rounds <= 1000:
+            raise RequestError("rounds must be in 1..1000")
+        if rounds > 1 and grid is None:
+            raise RequestError("rounds > 1 needs a grid")
+        coords = _field(msg, "initial_coords", (list, type(None)))
+        if coords is not None:
+            if grid is None:
+                raise RequestError("initial_coords needs a grid")
+            try:
+                coords = grid.check(coords)
+            except GridError as exc:
+                raise RequestError(str(exc)) from None
+        request = AverageRequest(key, specs, weight, timeout, group_size, min_group, grid,
+                                 rounds, coords)
         buffer = self.buffer
         task = asyncio.create_task(self._average(request, buffer, rid))
         self.tasks.add(task)
@@ -172,10 +200,15 @@ class Session:
 
     async def _average(self, request: AverageRequest, buffer: SharedBuffer, rid: Any) -> None:
         try:
-            rec = await self.node.average(request, buffer.view())
-            reply = {"ok": True, "id": rid, "group_size": rec.group_size,
-                     "seconds": rec.seconds, "matchmaking_seconds": rec.matchmaking_seconds,
-                     "bytes_sent": rec.bytes_sent, "bytes_received": rec.bytes_received}
+            result = await self.node.average(request, buffer.view())
+            rec = result.last
+            reply = {"ok": True, "id": rid, "group_size": max(rec.group_size, 1),
+                     "seconds": sum(r.seconds for r in result.rounds),
+                     "matchmaking_seconds": sum(r.matchmaking_seconds for r in result.rounds),
+                     "bytes_sent": sum(r.bytes_sent for r in result.rounds),
+                     "bytes_received": sum(r.bytes_received for r in result.rounds),
+                     "round": result.last_round, "coords": result.coords,
+                     "group_sizes": [max(r.group_size, 1) for r in result.rounds]}
             self.node.metrics.ipc_requests.labels("average", "ok").inc()
         except (MatchmakingError, AllreduceError, LayoutError, ValueError) as exc:
             self.node.metrics.ipc_requests.labels("average", "error").inc()

@@ -9,6 +9,10 @@ class GroupNotFound(MatchmakingError):
     """Not enough peers averaged under the key before the deadline."""
 
 
+class NoPartners(GroupNotFound):
+    """Nobody else is on this grid line this round: the peer keeps its value."""
+
+
 class SchemaMismatch(MatchmakingError):
     """Peers under the key declared tensors of other dtypes or shapes."""
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,12 @@ from grpc import aio
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.dht.network import DHTNode
 from moshpitd.matchmaking.declaration import Candidate, Declaration
-from moshpitd.matchmaking.errors import GroupNotFound, MatchmakingError, SchemaMismatch
+from moshpitd.matchmaking.errors import (
+    GroupNotFound,
+    MatchmakingError,
+    NoPartners,
+    SchemaMismatch,
+)
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 
@@ -43,6 +48,21 @@ class MatchRequest:
     min_size: int = 2
     client_mode: bool = False
     attempt_seconds: float = 5.0
+    # Peers known to be coming (grid line-mates). None: unknown, so assemble once everyone
+    # declared under the key has joined and stayed so for two polls.
+    expected: frozenset[bytes] | None = None
+
+
+@dataclass(frozen=True)
+class LineStatus:
+    """What the run directory says about our grid line right now."""
+
+    expected: frozenset[bytes]  # line-mates that will come to this round
+    moved_on: bool  # some peer of the run already declared a later round
+
+
+LineWatcher = Callable[[], Awaitable[LineStatus]]
+LONELY_GRACE = 0.2
 
 
 @dataclass(frozen=True)
@@ -58,8 +78,12 @@ class _Follower:
 
 
 class Matchmaker:
-    def __init__(self, me: Self, dht: DHTNode, pool: ChannelPool, request: MatchRequest) -> None:
+    def __init__(self, me: Self, dht: DHTNode, pool: ChannelPool, request: MatchRequest,
+                 watcher: LineWatcher | None = None) -> None:
         self.me = me
+        self.watcher = watcher
+        self.expected = request.expected
+        self._lonely_polls = 0
         self.dht = dht
         self.pool = pool
         self.req = request
@@ -71,6 +95,7 @@ class Matchmaker:
         self._deadline = 0.0
         self._seen_mismatch: set[bytes] = set()
         self._seen_match: set[bytes] = set()
+        self._declared_now: set[bytes] = set()
         self._stable_polls = 0
         self._version = 0
         self._asking: bytes | None = None  # the peer we are asking to lead us, if any
@@ -124,6 +149,10 @@ class Matchmaker:
                 return self.assembled.result()
             now = time.monotonic()
             candidates = await self._candidates()
+            if self.watcher is not None:
+                status = await self.watcher()
+                self.expected = status.expected
+                self._check_lonely(candidates, status, now)
             if self.assembled.done():
                 return self.assembled.result()
             if self.accepting and self._ready_to_assemble(candidates, now):
@@ -158,6 +187,7 @@ class Matchmaker:
         subs = await self.dht.get_subs(self.req.key)
         now = time.monotonic()
         out = []
+        self._declared_now = set()
         for peer_id, rec in subs.items():
             if peer_id == self.me.peer_id:
                 continue
@@ -168,6 +198,7 @@ class Matchmaker:
                 self._seen_mismatch.add(peer_id)
                 continue
             self._seen_match.add(peer_id)
+            self._declared_now.add(peer_id)
             out.append(Candidate(peer_id, decl, now + rec.ttl, rec.version))
         return out
 
@@ -179,10 +210,24 @@ class Matchmaker:
             return False
         if now >= self._deadline:
             return True
+        if self.expected is not None:
+            # Every expected peer is with us, or came and left for another group.
+            return all(p in self.followers or (p in self._seen_match and p not in
+                                               self._declared_now) for p in self.expected)
         # Everyone declared under the key is already with us: waiting longer gains nothing.
         outside = [c for c in candidates if c.peer_id not in self.followers]
         self._stable_polls = self._stable_polls + 1 if not outside else 0
         return self._stable_polls >= 2
+
+    def _check_lonely(self, candidates: list[Candidate], status: LineStatus, now: float) -> None:
+        """Nobody on our line is coming: keep our value instead of waiting for the deadline."""
+        alone = (not self.followers and self.leader is None and not candidates
+                 and not status.expected)
+        self._lonely_polls = self._lonely_polls + 1 if alone else 0
+        started = self._deadline - self.req.attempt_seconds
+        if alone and (status.moved_on or (self._lonely_polls >= 2
+                                          and now - started >= LONELY_GRACE)):
+            raise NoPartners(f"no other peer on this grid line under {self.req.key!r}")
 
     def _assemble(self) -> Group:
         members = [GroupMember(self.me.peer_id, self.me.endpoint, self.req.weight,

@@ -11,7 +11,7 @@ async def make_swarm(n: int) -> list[DHTNode]:
     nodes = []
     for i in range(n):
         node = DHTNode(rpc_timeout=0.5)
-        host, port = await node.start("127.0.0.1", 0)
+        _host, _port = await node.start("127.0.0.1", 0)
         if nodes:
             # bootstrap by name, as a user would
             first = nodes[0].transport.get_extra_info("sockname")

@@ -1,0 +1,182 @@
+"""What a daemon knows and declares about one run on the Moshpit grid.
+
+Every peer of a run keeps one record under `{run}/peers` (subkey = peer id): its grid, its fixed
+cell and the round it is about to average in. That one record serves three purposes: a joining
+peer picks the emptiest cell from it, a late peer catches up to the swarm's round from it, and a
+peer learns which line-mates to expect in its group (so a full line assembles at once, and a peer
+alone on its line keeps its value without waiting for nobody).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+
+from moshpitd.dht.network import DHTNode
+from moshpitd.matchmaking.errors import MatchmakingError
+from moshpitd.matchmaking.grid import Coords, Grid, catch_up, choose_coords
+from moshpitd.matchmaking.matchmaker import LineStatus, LineWatcher
+
+ENTRY_TTL = 60.0
+SETTLE_READS = 6
+SETTLE_INTERVAL = 0.03
+MAX_MOVES = 8
+
+
+class GridMismatch(MatchmakingError):
+    """Peers of the run use another grid."""
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    grid: Grid
+    coords: Coords
+    round: int
+    joining: bool = False  # still choosing its cell: it may land on any line
+
+    def pack(self) -> bytes:
+        return bytes(msgpack.packb([1, self.grid.size, self.grid.dims, list(self.coords),
+                                    self.round, self.joining]))
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> PeerEntry | None:
+        try:
+            obj = msgpack.unpackb(raw)
+            if not (isinstance(obj, list) and len(obj) == 6 and obj[0] == 1
+                    and isinstance(obj[4], int) and 0 <= obj[4] < 1 << 62
+                    and isinstance(obj[3], list) and isinstance(obj[5], bool)):
+                return None
+            grid = Grid(obj[1], obj[2])
+            return cls(grid, grid.check(obj[3]), obj[4], obj[5])
+        except Exception:  # untrusted bytes: anything malformed is simply not an entry
+            return None
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    round: int
+    key: str
+    expected: frozenset[bytes]  # line-mates that will come to this round's group
+
+
+class RunDirectory:
+    def __init__(self, dht: DHTNode, peer_id: bytes, run: str, grid: Grid,
+                 rng: random.Random | None = None) -> None:
+        self.dht = dht
+        self.peer_id = peer_id
+        self.run = run
+        self.grid = grid
+        self.rng = rng or random.Random()
+        self.coords: Coords | None = None
+        self.round = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.run}/peers"
+
+    async def peers(self) -> dict[bytes, PeerEntry]:
+        out = {}
+        others: Counter[Grid] = Counter()
+        for pid, rec in (await self.dht.get_subs(self.key)).items():
+            if pid == self.peer_id:
+                continue
+            entry = PeerEntry.unpack(rec.value)
+            if entry is None:
+                continue
+            if entry.grid != self.grid:
+                others[entry.grid] += 1
+                continue
+            out[pid] = entry
+        if others and not out:
+            grid, count = others.most_common(1)[0]
+            raise GridMismatch(
+                f"run {self.run!r}: {count} peer(s) use grid {grid.size}^{grid.dims}, this "
+                f"request asked for {self.grid.size}^{self.grid.dims}"
+            )
+        return out
+
+    async def plan(self, initial_coords: Sequence[int] | None) -> RoundPlan:
+        """Choose our cell (first time only), catch up to the swarm's round, declare it."""
+        peers = await self.peers()
+        if self.coords is None:
+            peers = await self._take_cell(peers, initial_coords)
+        elif initial_coords is not None and tuple(initial_coords) != self.coords:
+            raise MatchmakingError(
+                f"run {self.run!r}: this daemon already sits at {self.coords}; coordinates are "
+                "fixed for a run"
+            )
+        self.round = catch_up(self.round, (e.round for e in peers.values()))
+        await self.declare()
+        assert self.coords is not None
+        return RoundPlan(self.round, self.grid.group_key(self.run, self.round, self.coords),
+                         self._line_status(peers, self.round).expected)
+
+    def _line_status(self, peers: dict[bytes, PeerEntry], round_: int) -> LineStatus:
+        assert self.coords is not None
+        line = self.grid.line(round_, self.coords)
+        expected = frozenset(
+            pid for pid, e in peers.items()
+            if e.joining or (self.grid.line(round_, e.coords) == line and e.round <= round_)
+        )
+        return LineStatus(expected, any(e.round > round_ for e in peers.values()))
+
+    def watcher(self, round_: int) -> LineWatcher:
+        """For the matchmaker: who is still coming to this round, re-read at every poll."""
+        async def watch() -> LineStatus:
+            return self._line_status(await self.peers(), round_)
+        return watch
+
+    async def _take_cell(self, peers: dict[bytes, PeerEntry],
+                         initial_coords: Sequence[int] | None) -> dict[bytes, PeerEntry]:
+        """Pick the emptiest cell. Peers joining together may pick the same one: the one with
+        the higher peer id moves while an emptier cell exists, so a swarm started at once still
+        fills the grid."""
+        peers = await self._settle(peers)
+        self.coords = choose_coords(self.grid, Counter(e.coords for e in peers.values()),
+                                    self.rng, initial_coords)
+        if initial_coords is not None:
+            return peers
+        for _ in range(MAX_MOVES):
+            self.round = catch_up(self.round, (e.round for e in peers.values()))
+            await self.declare(joining=True)
+            await asyncio.sleep(SETTLE_INTERVAL)
+            peers = await self.peers()
+            occupancy = Counter(e.coords for e in peers.values())
+            rivals = [pid for pid, e in peers.items() if e.coords == self.coords]
+            least = min((occupancy.get(c, 0) for c in self.grid.all_cells()), default=0) \
+                if self.grid.cells <= 4096 else 0
+            if not rivals or min(rivals) > self.peer_id or occupancy[self.coords] <= least:
+                break
+            self.coords = choose_coords(self.grid, occupancy, self.rng)
+        return peers
+
+    async def _settle(self, peers: dict[bytes, PeerEntry]) -> dict[bytes, PeerEntry]:
+        """On joining a run, peers starting together register at once: wait until the
+        directory stops growing (a few tens of ms) before picking a cell."""
+        stable = 0
+        for _ in range(SETTLE_READS):
+            await asyncio.sleep(SETTLE_INTERVAL)
+            again = await self.peers()
+            stable = stable + 1 if set(again) == set(peers) else 0
+            peers = again
+            if stable >= 2:
+                break
+        return peers
+
+    async def declare(self, joining: bool = False) -> None:
+        assert self.coords is not None
+        entry = PeerEntry(self.grid, self.coords, self.round, joining)
+        await self.dht.store_sub(self.key, self.peer_id, entry.pack(), ENTRY_TTL)
+
+    async def finish(self, round_: int) -> None:
+        """Members leave a round at r + 1, whatever became of it."""
+        self.round = max(self.round, round_ + 1)
+        await self.declare()
+
+    async def leave(self) -> None:
+        await self.dht.withdraw_sub(self.key, self.peer_id)
