@@ -5,6 +5,7 @@ from moshpit.errors import (
     AllreduceFailed,
     DaemonUnavailable,
     DuplicateRequest,
+    GridMismatch,
     GroupNotFound,
     InvalidRequest,
     MoshpitError,
@@ -15,6 +16,6 @@ from moshpit.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllreduceFailed", "Client", "DaemonUnavailable", "DuplicateRequest", "GroupNotFound",
-    "InvalidRequest", "MoshpitError", "ProtocolError", "RoundInfo", "SchemaMismatch",
+    "AllreduceFailed", "Client", "DaemonUnavailable", "DuplicateRequest", "GridMismatch",
+    "GroupNotFound", "InvalidRequest", "MoshpitError", "ProtocolError", "RoundInfo", "SchemaMismatch",
 ]

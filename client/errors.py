@@ -27,6 +27,10 @@ class SchemaMismatch(MoshpitError):
     """Peers under the key submitted tensors of other shapes or dtypes."""
 
 
+class GridMismatch(MoshpitError):
+    """The run already uses another grid (here or at its other peers)."""
+
+
 class AllreduceFailed(MoshpitError):
     """A group was found but the all-reduce inside it failed."""
 
@@ -38,6 +42,7 @@ class DuplicateRequest(MoshpitError):
 _BY_NAME: dict[str, type[MoshpitError]] = {
     "GroupNotFound": GroupNotFound,
     "SchemaMismatch": SchemaMismatch,
+    "GridMismatch": GridMismatch,
     "AllreduceError": AllreduceFailed,
     "DuplicateRequest": DuplicateRequest,
     "MatchmakingError": GroupNotFound,

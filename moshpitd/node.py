@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import grpc
 from grpc import aio
 
 from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound
@@ -25,7 +26,7 @@ from moshpitd.matchmaking.matchmaker import (
     Self,
     not_looking,
 )
-from moshpitd.matchmaking.runs import RunDirectory
+from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
 from moshpitd.metrics import Metrics
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport import frames
@@ -33,6 +34,7 @@ from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE, AveragerServer, 
 
 log = logging.getLogger(__name__)
 
+PROBE_TIMEOUT = 1.0
 STREAM_WAIT = 10.0  # how long an early Reduce stream waits for its round to start here
 MAX_PENDING_GROUPS = 1024
 
@@ -175,11 +177,15 @@ class MoshpitNode:
         grid = request.grid
         assert grid is not None
         run = self.runs.get(request.key)
-        if run is None or run.grid != grid:
-            if run is not None and request.initial_coords is None:
-                log.info("run %s: grid changed to %dx%d; choosing a new cell", request.key,
-                         grid.size, grid.dims)
-            run = self.runs[request.key] = RunDirectory(self.dht, self.peer_id, request.key, grid)
+        if run is not None and run.grid != grid:
+            raise GridMismatch(
+                f"run {request.key!r} uses grid {run.grid.size}^{run.grid.dims} on this daemon; "
+                f"this request asked for {grid.size}^{grid.dims}"
+            )
+        if run is None:
+            run = RunDirectory(self.dht, self.peer_id, request.key, grid, self.grpc_endpoint,
+                               self._probe)
+            self.runs[request.key] = run
         final = time.monotonic() + request.timeout
         weight = request.weight
         records: list[tuple[int, RoundRecord]] = []
@@ -252,6 +258,18 @@ class MoshpitNode:
         rec = self._record(key, result.group_size, result.bytes_sent, result.bytes_received,
                            start, assembled, "ok")
         return rec, group
+
+    async def _probe(self, endpoint: str) -> bool:
+        """Is a peer's daemon alive? Any answer to Join counts; a refused connection does not."""
+        call = self.pool.join(endpoint, pb.JoinRequest(), timeout=PROBE_TIMEOUT)
+        try:
+            await call.read()
+            return True
+        except aio.AioRpcError as exc:
+            return exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED)
+        finally:
+            call.cancel()
 
     def _record(self, key: str, size: int, sent: int, received: int, start: float,
                 assembled: float, result: str) -> RoundRecord:

@@ -150,7 +150,9 @@ class ButterflyRound:
             for p in self.my_parts:
                 await self._wait_part(p.index)
                 header = pb.PartHeader(group_id=self.group.group_id, sender=self.me, part=p.index)
-                await context.write(frames.encode(header, self._results[p.index].data.cast("B")))
+                frame = frames.encode(header, self._results[p.index].data.cast("B"))
+                self.bytes_sent += len(frame)
+                await context.write(frame)
         except AllreduceError as exc:
             await context.write(self._abort_frame(str(exc)))
         finally:

@@ -213,6 +213,11 @@ class Session:
         except (MatchmakingError, AllreduceError, LayoutError, ValueError) as exc:
             self.node.metrics.ipc_requests.labels("average", "error").inc()
             reply = {"ok": False, "id": rid, "error": type(exc).__name__, "message": str(exc)}
+        except Exception as exc:  # a bug of ours: the trainer still gets an answer
+            log.exception("ipc session %d: average failed", self.number)
+            self.node.metrics.ipc_requests.labels("average", "error").inc()
+            reply = {"ok": False, "id": rid, "error": "InternalError",
+                     "message": f"daemon error: {exc!r}"}
         with contextlib.suppress(OSError):
             await self.conn.write_frame(reply)
 

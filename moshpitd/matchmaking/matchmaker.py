@@ -49,7 +49,7 @@ class MatchRequest:
     client_mode: bool = False
     attempt_seconds: float = 5.0
     # Peers known to be coming (grid line-mates). None: unknown, so assemble once everyone
-    # declared under the key has joined and stayed so for two polls.
+    # declared under the key has joined and nothing changed for SETTLE_SECONDS.
     expected: frozenset[bytes] | None = None
 
 
@@ -59,10 +59,12 @@ class LineStatus:
 
     expected: frozenset[bytes]  # line-mates that will come to this round
     moved_on: bool  # some peer of the run already declared a later round
+    settled: bool = True  # no peer joined or left the run lately: `expected` is complete
 
 
 LineWatcher = Callable[[], Awaitable[LineStatus]]
 LONELY_GRACE = 0.2
+SETTLE_SECONDS = 0.5  # without a grid: how long a complete-looking group must stay unchanged
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class Matchmaker:
         self.me = me
         self.watcher = watcher
         self.expected = request.expected
+        self.settled = True
         self._lonely_polls = 0
         self.dht = dht
         self.pool = pool
@@ -96,7 +99,8 @@ class Matchmaker:
         self._seen_mismatch: set[bytes] = set()
         self._seen_match: set[bytes] = set()
         self._declared_now: set[bytes] = set()
-        self._stable_polls = 0
+        self._stable_members: frozenset[bytes] = frozenset()
+        self._stable_since = 0.0
         self._version = 0
         self._asking: bytes | None = None  # the peer we are asking to lead us, if any
 
@@ -152,6 +156,7 @@ class Matchmaker:
             if self.watcher is not None:
                 status = await self.watcher()
                 self.expected = status.expected
+                self.settled = status.settled
                 self._check_lonely(candidates, status, now)
             if self.assembled.done():
                 return self.assembled.result()
@@ -211,18 +216,24 @@ class Matchmaker:
         if now >= self._deadline:
             return True
         if self.expected is not None:
+            if not self.settled:
+                return False
             # Every expected peer is with us, or came and left for another group.
             return all(p in self.followers or (p in self._seen_match and p not in
                                                self._declared_now) for p in self.expected)
-        # Everyone declared under the key is already with us: waiting longer gains nothing.
+        # Everyone declared under the key is already with us, and nobody new declared for a
+        # while: with no target in sight, waiting longer gains nothing.
         outside = [c for c in candidates if c.peer_id not in self.followers]
-        self._stable_polls = self._stable_polls + 1 if not outside else 0
-        return self._stable_polls >= 2
+        members = frozenset(self.followers)
+        if outside or members != self._stable_members:
+            self._stable_members, self._stable_since = members, now
+            return False
+        return now - self._stable_since >= SETTLE_SECONDS
 
     def _check_lonely(self, candidates: list[Candidate], status: LineStatus, now: float) -> None:
         """Nobody on our line is coming: keep our value instead of waiting for the deadline."""
         alone = (not self.followers and self.leader is None and not candidates
-                 and not status.expected)
+                 and not status.expected and status.settled)
         self._lonely_polls = self._lonely_polls + 1 if alone else 0
         started = self._deadline - self.req.attempt_seconds
         if alone and (status.moved_on or (self._lonely_polls >= 2

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -26,6 +27,10 @@ ENTRY_TTL = 60.0
 SETTLE_READS = 6
 SETTLE_INTERVAL = 0.03
 MAX_MOVES = 8
+DEAD_FOR = 30.0
+SETTLE_SECONDS = 0.3  # a run whose membership changed this recently may have more to come
+
+Probe = Callable[[str], Awaitable[bool]]
 
 
 class GridMismatch(MatchmakingError):
@@ -38,21 +43,23 @@ class PeerEntry:
     coords: Coords
     round: int
     joining: bool = False  # still choosing its cell: it may land on any line
+    endpoint: str = ""  # its gRPC address, to tell a dead line-mate from a slow one
 
     def pack(self) -> bytes:
         return bytes(msgpack.packb([1, self.grid.size, self.grid.dims, list(self.coords),
-                                    self.round, self.joining]))
+                                    self.round, self.joining, self.endpoint]))
 
     @classmethod
     def unpack(cls, raw: bytes) -> PeerEntry | None:
         try:
             obj = msgpack.unpackb(raw)
-            if not (isinstance(obj, list) and len(obj) == 6 and obj[0] == 1
+            if not (isinstance(obj, list) and len(obj) == 7 and obj[0] == 1
                     and isinstance(obj[4], int) and 0 <= obj[4] < 1 << 62
-                    and isinstance(obj[3], list) and isinstance(obj[5], bool)):
+                    and isinstance(obj[3], list) and isinstance(obj[5], bool)
+                    and isinstance(obj[6], str) and len(obj[6]) <= 256):
                 return None
             grid = Grid(obj[1], obj[2])
-            return cls(grid, grid.check(obj[3]), obj[4], obj[5])
+            return cls(grid, grid.check(obj[3]), obj[4], obj[5], obj[6])
         except Exception:  # untrusted bytes: anything malformed is simply not an entry
             return None
 
@@ -66,8 +73,14 @@ class RoundPlan:
 
 class RunDirectory:
     def __init__(self, dht: DHTNode, peer_id: bytes, run: str, grid: Grid,
+                 endpoint: str = "", probe: Probe | None = None,
                  rng: random.Random | None = None) -> None:
         self.dht = dht
+        self.endpoint = endpoint
+        self.probe = probe
+        self._dead: dict[bytes, float] = {}  # peer id -> until when we believe it dead
+        self._members: frozenset[bytes] = frozenset()
+        self._changed_at = time.monotonic()
         self.peer_id = peer_id
         self.run = run
         self.grid = grid
@@ -92,6 +105,9 @@ class RunDirectory:
                 others[entry.grid] += 1
                 continue
             out[pid] = entry
+        members = frozenset(out)
+        if members != self._members:
+            self._members, self._changed_at = members, time.monotonic()
         if others and not out:
             grid, count = others.most_common(1)[0]
             raise GridMismatch(
@@ -126,9 +142,25 @@ class RunDirectory:
         return LineStatus(expected, any(e.round > round_ for e in peers.values()))
 
     def watcher(self, round_: int) -> LineWatcher:
-        """For the matchmaker: who is still coming to this round, re-read at every poll."""
+        """For the matchmaker: who is still coming to this round, re-read at every poll.
+        Line-mates are probed once per round; a dead one (killed, its record not yet expired)
+        is not waited for."""
+        probed: set[bytes] = set()
+
         async def watch() -> LineStatus:
-            return self._line_status(await self.peers(), round_)
+            peers = await self.peers()
+            status = self._line_status(peers, round_)
+            now = time.monotonic()
+            fresh = [p for p in status.expected if p not in probed and peers[p].endpoint]
+            if self.probe is not None and fresh:
+                probed.update(fresh)
+                alive = await asyncio.gather(*(self.probe(peers[p].endpoint) for p in fresh))
+                for pid, ok in zip(fresh, alive, strict=True):
+                    if not ok:
+                        self._dead[pid] = now + DEAD_FOR
+            dead = {p for p, until in self._dead.items() if until > now}
+            settled = now - self._changed_at >= SETTLE_SECONDS
+            return LineStatus(status.expected - dead, status.moved_on, settled)
         return watch
 
     async def _take_cell(self, peers: dict[bytes, PeerEntry],
@@ -170,7 +202,7 @@ class RunDirectory:
 
     async def declare(self, joining: bool = False) -> None:
         assert self.coords is not None
-        entry = PeerEntry(self.grid, self.coords, self.round, joining)
+        entry = PeerEntry(self.grid, self.coords, self.round, joining, self.endpoint)
         await self.dht.store_sub(self.key, self.peer_id, entry.pack(), ENTRY_TTL)
 
     async def finish(self, round_: int) -> None:
