@@ -17,5 +17,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllreduceFailed", "Client", "DaemonUnavailable", "DuplicateRequest", "GridMismatch",
-    "GroupNotFound", "InvalidRequest", "MoshpitError", "ProtocolError", "RoundInfo", "SchemaMismatch",
+    "GroupNotFound", "InvalidRequest", "MoshpitError", "ProtocolError", "RoundInfo",
+    "SchemaMismatch",
 ]
