@@ -40,6 +40,14 @@ class RoundInfo:
     round: int | None = None  # the grid round (None without a grid)
     coords: tuple[int, ...] | None = None  # this peer's cell on the grid
     group_sizes: tuple[int, ...] = ()  # one per round of a multi-round call
+    # What each element of the result is, for the last all-reduce: (start, stop, members) over
+    # the flattened tensors in request order; `members` is a bitmask of the group members whose
+    # values were averaged there, 0 where the element kept its local value (a peer failed).
+    spans: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def fully_averaged(self) -> bool:
+        return all(mask for _, _, mask in self.spans)
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[list[Any]], int]:
@@ -81,12 +89,14 @@ class Client:
     def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
                 timeout: float = 30.0, group_size: int = 16, min_group_size: int = 2,
                 grid: tuple[int, int] | None = None, rounds: int = 1,
-                initial_coords: Sequence[int] | None = None) -> list[torch.Tensor]:
+                initial_coords: Sequence[int] | None = None,
+                codec: str = "none") -> list[torch.Tensor]:
         """Weighted average of `tensors` with the peers averaging under `key`.
 
         With grid=(M, d), `key` names a run on the Moshpit grid: each call averages with this
         round's line of the grid (groups of up to M), and `rounds=k` chains k rounds, carrying
         weights as mass, so d rounds on a full grid give the exact weighted global mean.
+        `codec` (none, fp16, bf16, int8) compresses parts on the wire; peers must agree.
         Returns new tensors (same shapes, dtypes, devices); the inputs are left untouched."""
         tensors = list(tensors)
         specs, size = _layout(tensors)
@@ -101,6 +111,7 @@ class Client:
                 "min_group_size": int(min_group_size),
                 "grid": None if grid is None else [int(grid[0]), int(grid[1])],
                 "rounds": int(rounds),
+                "codec": str(codec),
                 "initial_coords": None if initial_coords is None else [int(c) for c in
                                                                        initial_coords],
             }, timeout=timeout + 10.0)
@@ -110,7 +121,8 @@ class Client:
                 float(reply["matchmaking_seconds"]), int(reply["bytes_sent"]),
                 int(reply["bytes_received"]), reply.get("round"),
                 None if coords is None else tuple(coords),
-                tuple(reply.get("group_sizes", ())))
+                tuple(reply.get("group_sizes", ())),
+                tuple((int(a), int(b), int(m)) for a, b, m in reply.get("spans", ())))
             return [v.clone().reshape(t.shape).to(t.device)
                     for v, t in zip(views, tensors, strict=True)]
 

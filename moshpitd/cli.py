@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="HOST:PORT", help="UDP address of the DHT (default 127.0.0.1:0)")
     p.add_argument("--grpc-listen", type=parse_hostport, default=("127.0.0.1", 0),
                    metavar="HOST:PORT", help="TCP address for peers' streams (default 127.0.0.1:0)")
+    p.add_argument("--data-port", type=int, default=0, metavar="PORT",
+                   help="TCP port of the tensor data plane, on the gRPC host (default any)")
+    p.add_argument("--bandwidth", type=float, default=1.0, metavar="SHARE",
+                   help="relative share of each vector this peer reduces (default 1.0)")
+    p.add_argument("--client-mode", action="store_true",
+                   help="this peer cannot accept connections (NAT): it never leads or reduces")
     p.add_argument("--bootstrap", type=parse_bootstrap, default=[],
                    metavar="HOST:PORT[,HOST:PORT...]", help="DHT addresses of running daemons")
     p.add_argument("--ipc-socket", default="/run/moshpitd/moshpitd.sock", metavar="PATH",
@@ -79,7 +85,8 @@ async def serve(args: argparse.Namespace) -> int:
     config = NodeConfig(
         dht_host=args.dht_listen[0], dht_port=args.dht_listen[1],
         grpc_host=args.grpc_listen[0], grpc_port=args.grpc_listen[1],
-        bootstrap=tuple(args.bootstrap),
+        bootstrap=tuple(args.bootstrap), data_port=args.data_port,
+        bandwidth=args.bandwidth, client_mode=args.client_mode,
     )
     metrics = Metrics()
     node = MoshpitNode(config, metrics)
@@ -95,7 +102,8 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         await ipc.start()
         info = {"peer_id": node.peer_id.hex(), "dht": format_hostport(*node.dht_addr),
-                "grpc": node.grpc_endpoint, "ipc": args.ipc_socket, "metrics": metrics_endpoint}
+                "grpc": node.grpc_endpoint, "data": node.data_endpoint, "ipc": args.ipc_socket,
+                "metrics": metrics_endpoint}
         if args.ready_file:
             write_ready_file(args.ready_file, info)
         log.info("moshpitd %s ready: %s", __version__, json.dumps(info))

@@ -13,9 +13,12 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound
+from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundResult
+from moshpitd.allreduce.codecs import get_codec
+from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, TensorSpec, schema_hash
+from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
 from moshpitd.dht.network import DHTNode
 from moshpitd.matchmaking.errors import DuplicateRequest, GroupNotFound, NoPartners
 from moshpitd.matchmaking.grid import Grid, carried_weight
@@ -29,14 +32,11 @@ from moshpitd.matchmaking.matchmaker import (
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
 from moshpitd.metrics import Metrics
 from moshpitd.proto import moshpit_pb2 as pb
-from moshpitd.transport import frames
 from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE, AveragerServer, ChannelPool
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 1.0
-STREAM_WAIT = 10.0  # how long an early Reduce stream waits for its round to start here
-MAX_PENDING_GROUPS = 1024
 
 
 def format_hostport(host: str, port: int) -> str:
@@ -49,6 +49,9 @@ class NodeConfig:
     dht_port: int = 0
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 0
+    data_port: int = 0  # the data plane listens on grpc_host
+    bandwidth: float = 1.0  # relative share of each vector this peer offers to reduce
+    client_mode: bool = False
     bootstrap: tuple[tuple[str, int], ...] = ()
     dht_rpc_timeout: float = 1.0
     part_bytes: int = DEFAULT_PART_BYTES
@@ -67,6 +70,7 @@ class AverageRequest:
     grid: Grid | None = None
     rounds: int = 1
     initial_coords: tuple[int, ...] | None = None
+    codec: str = "none"
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class AverageResult:
     rounds: tuple[RoundRecord, ...]
     coords: tuple[int, ...] | None
     last_round: int | None
+    spans: tuple[tuple[int, int, int], ...] = ()  # of the last all-reduce: start, stop, mask
 
     @property
     def last(self) -> RoundRecord:
@@ -98,11 +103,15 @@ class MoshpitNode:
         self.metrics = metrics or Metrics()
         self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout)
         self.pool = ChannelPool(config.max_message)
-        self.server = AveragerServer(self._handle_join, self._handle_reduce, config.max_message)
+        self.server = AveragerServer(self._handle_join, config.max_message)
+        self.registry = RoundRegistry(config.part_bytes * 2 + 4096)
+        self.deadlines = DeadlinePolicy()
+        self.fault = FaultPlan.from_env()
+        self.data_endpoint = ""
         self.matchmakers: dict[str, Matchmaker] = {}
         self.runs: dict[str, RunDirectory] = {}
         self._active: set[str] = set()
-        self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
+        self._last_spans: tuple[tuple[int, int, int], ...] = ()
         self.recent: deque[RoundRecord] = deque(maxlen=100)
         self.rounds_done = 0
         self.rounds_failed = 0
@@ -119,6 +128,8 @@ class MoshpitNode:
         self.dht_addr = await self.dht.start(c.dht_host, c.dht_port)
         port = await self.server.start(c.grpc_host, c.grpc_port)
         self.grpc_endpoint = format_hostport(c.grpc_host, port)
+        dport = await self.registry.start(c.grpc_host, c.data_port)
+        self.data_endpoint = format_hostport(c.grpc_host, dport)
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
             self._bootstrap_task = asyncio.create_task(self._keep_bootstrapped())
@@ -138,6 +149,7 @@ class MoshpitNode:
     async def stop(self) -> None:
         if self._bootstrap_task is not None:
             self._bootstrap_task.cancel()
+        await self.registry.stop()
         await self.server.stop(0.5)
         await self.pool.close()
         self.dht.stop()
@@ -147,6 +159,7 @@ class MoshpitNode:
             "peer_id": self.peer_id.hex(),
             "dht": format_hostport(*self.dht_addr),
             "grpc": self.grpc_endpoint,
+            "data": self.data_endpoint,
             "dht_peers": self.dht.peer_count(),
             "rounds_done": self.rounds_done,
             "rounds_failed": self.rounds_failed,
@@ -168,7 +181,7 @@ class MoshpitNode:
             if request.grid is None:
                 rec, _ = await self._one_round(request.key, request, view, request.weight,
                                                request.timeout, None, request.group_size)
-                return AverageResult((rec,), None, None)
+                return AverageResult((rec,), None, None, self._last_spans)
             return await self._grid_rounds(request, view)
         finally:
             self._active.discard(request.key)
@@ -210,7 +223,8 @@ class MoshpitNode:
             records.append((plan.round, rec))
             weight = carried_weight(group_weight, members)
         assert run.coords is not None
-        return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0])
+        return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0],
+                             self._last_spans)
 
     async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
                          timeout: float, expected: frozenset[bytes] | None, target: int,
@@ -222,14 +236,16 @@ class MoshpitNode:
         match = MatchRequest(
             key=key, schema_hash=schema_hash(request.specs), weight=weight,
             target_size=target, min_size=request.min_group_size,
-            attempt_seconds=attempt, expected=expected,
+            attempt_seconds=attempt, expected=expected, codec=request.codec,
+            client_mode=self.config.client_mode,
         )
-        mm = Matchmaker(Self(self.peer_id, self.grpc_endpoint), self.dht, self.pool, match,
-                        watcher)
+        me = Self(self.peer_id, self.grpc_endpoint, self.data_endpoint, self.config.bandwidth)
+        mm = Matchmaker(me, self.dht, self.pool, match, watcher)
         self.matchmakers[key] = mm
         try:
             group = await mm.find_group(attempt if single_attempt else timeout)
         except NoPartners:
+            self._last_spans = ()
             self._record(key, 1, 0, 0, start, time.monotonic(), "alone")
             raise
         except BaseException:
@@ -242,22 +258,36 @@ class MoshpitNode:
                   [m.peer_id.hex()[:6] for m in group.members])
         self.metrics.matchmaking_duration.observe(assembled - start)
         self.metrics.group_size.observe(len(group.members))
-        rnd = ButterflyRound(group, group.index_of(self.peer_id), view, self.pool,
-                             self.config.part_bytes)
-        fut = self._round_future(group.group_id)
-        if not fut.done():
-            fut.set_result(rnd)
-        try:
-            result = await rnd.run(max(final - time.monotonic(), 0.05))
-        except AllreduceError:
-            self._record(key, len(group.members), rnd.bytes_sent, rnd.bytes_received,
-                         start, assembled, "allreduce_failed")
-            raise
-        finally:
-            self._rounds.pop(group.group_id, None)
+        if sum(m.weight for m in group.members) <= 0:
+            self._record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed")
+            raise AllreduceError(f"every member of the group under {key!r} has weight 0: "
+                                 "there is no weighted mean")
+        result = await self._allreduce(group, view, final)
+        self._last_spans = result.spans
+        outcome = "ok" if result.parts_averaged == result.parts else "partial"
         rec = self._record(key, result.group_size, result.bytes_sent, result.bytes_received,
-                           start, assembled, "ok")
+                           start, assembled, outcome)
         return rec, group
+
+    async def _allreduce(self, group: Group, view: FlatView, final: float) -> RoundResult:
+        self.fault.begin_round()
+        rnd = ButterflyRound(group, group.index_of(self.peer_id), view,
+                             get_codec(group.codec), self.registry.connect,
+                             self.config.part_bytes, self.fault)
+        n = len(group.members)
+        moved = 2 * sum(view.specs[i].nbytes for i in range(len(view.specs))) * (n - 1) // n
+        budget = self.deadlines.budget(moved)
+        remaining = final - time.monotonic()
+        grace = min(1.0, 0.25 * budget)
+        deadline = time.monotonic() + max(min(budget, remaining - grace), 0.05)
+        self.registry.register(rnd)
+        try:
+            result = await rnd.run(deadline, grace)
+        finally:
+            self.registry.unregister(group.group_id)
+        if result.parts_averaged == result.parts:
+            self.deadlines.observe(result.bytes_sent + result.bytes_received, result.seconds)
+        return result
 
     async def _probe(self, endpoint: str) -> bool:
         """Is a peer's daemon alive? Any answer to Join counts; a refused connection does not."""
@@ -298,39 +328,6 @@ class MoshpitNode:
             return
         async for response in mm.handle_join(request):
             yield response
-
-    def _round_future(self, group_id: bytes) -> asyncio.Future[ButterflyRound]:
-        fut = self._rounds.get(group_id)
-        if fut is None:
-            if len(self._rounds) >= MAX_PENDING_GROUPS:
-                raise AllreduceError("too many pending groups")
-            fut = asyncio.get_running_loop().create_future()
-            self._rounds[group_id] = fut
-        return fut
-
-    async def _handle_reduce(self, context: aio.ServicerContext) -> None:
-        first = await context.read()
-        if first is aio.EOF:
-            return
-        try:
-            header, _ = frames.decode(first)
-        except frames.FrameError as exc:
-            await context.write(frames.encode(pb.PartHeader(status=pb.ABORT, message=str(exc))))
-            return
-        gid = bytes(header.group_id)
-        try:
-            fut = self._round_future(gid)
-            async with asyncio.timeout(STREAM_WAIT):
-                rnd = await asyncio.shield(fut)
-        except (TimeoutError, AllreduceError):
-            if gid in self._rounds and not self._rounds[gid].done():
-                del self._rounds[gid]
-            log.warning("reduce stream for unknown group %s from member %d", gid.hex()[:8],
-                        header.sender)
-            await context.write(frames.encode(pb.PartHeader(
-                group_id=gid, status=pb.ABORT, message="no such group on this peer")))
-            return
-        await rnd.serve(header.sender, first, context)
 
 
 def specs_from_wire(tensors: Sequence[Any]) -> tuple[TensorSpec, ...]:

@@ -1,221 +1,331 @@
-"""One butterfly all-reduce round over gRPC streams (scatter-reduce + all-gather, pipelined).
+"""One butterfly all-reduce round on the data plane (scatter-reduce + all-gather, pipelined).
 
 Member j reduces span j. Every member streams its parts of span j to member j, which accumulates
-them as they arrive and streams each averaged part back as soon as all senders delivered it.
+them as they arrive and streams each averaged part back as soon as it is final (DESIGN §5).
+
+Faults follow one deadline per round: a sender whose connection breaks is excluded at once, one
+that is merely silent is excluded at the deadline; parts it delivered stay in the mean. A reducer
+that fails leaves its span at our local values. Every result carries the bitmask of the senders
+it averages, so the caller learns exactly what each element is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-from grpc import aio
 
+from moshpitd.allreduce.codecs import Codec, CodecError
+from moshpitd.allreduce.faults import STALL_SECONDS, FaultPlan
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, Part, plan_parts
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
-from moshpitd.proto import moshpit_pb2 as pb
-from moshpitd.transport import frames
-from moshpitd.transport.grpc_server import ChannelPool
+from moshpitd.transport.dataplane import (
+    ABORT,
+    HELLO,
+    PART,
+    RESULT,
+    Channel,
+    DataPlaneError,
+    FrameSink,
+)
 
 log = logging.getLogger(__name__)
 
+Connector = Callable[[str, FrameSink], Awaitable[Channel]]
+
 
 class AllreduceError(Exception):
-    """The round could not produce an average for this peer."""
+    """The round could not run at all for this peer."""
 
 
 @dataclass(frozen=True)
 class RoundResult:
     group_size: int
     parts: int
+    parts_averaged: int
+    spans: tuple[tuple[int, int, int], ...]  # (flat start, flat stop, contributors bitmask)
     bytes_sent: int
     bytes_received: int
     seconds: float
+    excluded: int  # bitmask of members whose contributions were cut short
+
+
+class _SenderSlot:
+    """Reducer side: frames from one sender."""
+
+    def __init__(self, rnd: ButterflyRound, sender: int, channel: Channel) -> None:
+        self.rnd = rnd
+        self.sender = sender
+        self.channel = channel
+        self.expected = {p.index for p in rnd.my_parts}
+        self.staging = bytearray(rnd.max_part_bytes)
+        self.outbox: asyncio.Queue[int] = asyncio.Queue()
+
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        if kind != PART:
+            return None
+        p = self.rnd.part(part)
+        if p is None or part not in self.expected:
+            raise DataPlaneError(f"member {self.sender} sent part {part}, not expected here")
+        want = self.rnd.codec.encoded_size(p.numel, self.rnd.dtypes[p.run])
+        if length != want:
+            raise DataPlaneError(f"part {part}: {length} bytes, expected {want}")
+        return memoryview(self.staging)[:length]
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        if kind == PART:
+            self.expected.discard(part)
+            p = self.rnd.parts[part]
+            try:
+                values = self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run])
+                self.rnd.contribute(p, self.sender, values)
+            except (ReductionError, CodecError) as exc:
+                self.rnd.exclude(self.sender, str(exc))
+                self.channel.abort(exc)
+        elif kind == ABORT:
+            self.rnd.exclude(self.sender, f"it aborted: {bytes(payload).decode(errors='replace')}")
+        else:
+            self.rnd.exclude(self.sender, f"unexpected frame kind {kind}")
+            self.channel.abort(f"unexpected frame kind {kind}")
+
+    def on_close(self, exc: BaseException | None) -> None:
+        if self.expected:
+            self.rnd.exclude(self.sender, f"its stream closed ({exc or 'EOF'})")
+
+    async def write_results(self) -> None:
+        """Results go back in the order parts become final."""
+        while True:
+            index = await self.outbox.get()
+            mask = self.rnd.reducer.mask(index)
+            payload = self.rnd.result_payload(index) if mask else b""
+            if self.rnd.fault.stall_reduce():
+                await asyncio.sleep(STALL_SECONDS)
+            await self.channel.send(RESULT, index, payload, aux=mask)
+
+
+class _OwnerLink:
+    """Sender side: averaged parts coming back from one owner."""
+
+    def __init__(self, rnd: ButterflyRound, owner: int, parts: list[Part]) -> None:
+        self.rnd = rnd
+        self.owner = owner
+        self.waiting = {p.index for p in parts}
+        self.done = asyncio.Event()
+        self.failure: str | None = None
+
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        if kind != RESULT:
+            return None
+        p = self.rnd.part(part)
+        if p is None or p.owner != self.owner or part not in self.waiting:
+            raise DataPlaneError(f"owner {self.owner} returned part {part}, not expected")
+        dtype = self.rnd.dtypes[p.run]
+        want = self.rnd.codec.encoded_size(p.numel, dtype) if aux else 0
+        if length != want:
+            raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
+        if aux and self.rnd.codec.name == "none":
+            direct = self.rnd.view.region(p)
+            if direct is not None:
+                return direct  # straight into the trainer's buffer
+        return None
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        if kind == ABORT:
+            self.fail(bytes(payload).decode(errors="replace"))
+            return
+        if kind != RESULT:
+            self.fail(f"unexpected frame kind {kind}")
+            return
+        p = self.rnd.parts[part]
+        if aux and (aux >> len(self.rnd.group.members)):
+            self.fail(f"result {part} names members that do not exist")
+            return
+        if aux and not (self.rnd.codec.name == "none" and self.rnd.view.region(p) is not None):
+            self.rnd.view.write(p, self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run]))
+        self.rnd.applied[part] = aux
+        self.waiting.discard(part)
+        if not self.waiting:
+            self.done.set()
+
+    def on_close(self, exc: BaseException | None) -> None:
+        if self.waiting:
+            self.fail(f"stream closed ({exc or 'EOF'})")
+
+    def fail(self, why: str) -> None:
+        if self.failure is None and self.waiting:
+            self.failure = why
+            log.info("owner %d failed: %s; its %d remaining parts keep local values",
+                     self.owner, why, len(self.waiting))
+        self.done.set()
 
 
 class ButterflyRound:
-    def __init__(self, group: Group, my_index: int, view: FlatView, pool: ChannelPool,
-                 part_bytes: int = DEFAULT_PART_BYTES) -> None:
+    def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
+                 connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
+                 fault: FaultPlan | None = None) -> None:
         self.group = group
         self.me = my_index
         self.view = view
-        self.pool = pool
+        self.codec = codec
+        self.connect = connect
+        self.fault = fault or FaultPlan()
         self.parts = plan_parts(view.runs, group.shares, part_bytes)
         self.by_owner: dict[int, list[Part]] = defaultdict(list)
         for p in self.parts:
             self.by_owner[p.owner].append(p)
         self.my_parts = self.by_owner.get(my_index, [])
-        dtypes = {i: np.dtype(r.dtype) for i, r in enumerate(view.runs)}
-        self.dtypes = dtypes
-        self.reducer = PartReducer(self.my_parts, dtypes, senders=len(group.members))
-        self._done = {p.index: asyncio.Event() for p in self.my_parts}
-        self._results: dict[int, np.ndarray] = {}
-        self._served: set[int] = set()
-        self._error: Exception | None = None
+        self.dtypes = {i: np.dtype(r.dtype) for i, r in enumerate(view.runs)}
+        self.max_part_bytes = max([codec.encoded_size(p.numel, self.dtypes[p.run])
+                                   for p in self.parts] or [0])
+        self.reducer = PartReducer(self.my_parts, self.dtypes, senders=len(group.members))
+        self.applied: dict[int, int] = {}  # part -> bitmask averaged into our buffer (0: local)
+        self.slots: dict[int, _SenderSlot] = {}
+        self._payloads: dict[int, memoryview] = {}
+        self._own_done = asyncio.Event()
+        self._pending_own = {p.index for p in self.my_parts}
+        self._writers: set[asyncio.Task[None]] = set()
+        self._channels: list[Channel] = []
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._deadline = time.monotonic() + 60.0
 
-    # --- our side ------------------------------------------------------------------------
-    async def run(self, timeout: float) -> RoundResult:
-        start = time.perf_counter()
-        self._deadline = time.monotonic() + timeout
-        try:
-            async with asyncio.timeout(timeout):
-                weight = self.group.members[self.me].weight
-                for p in self.my_parts:
-                    self._contribute(p, self.me, weight, self.view.read(p))
-                async with asyncio.TaskGroup() as tg:
-                    for owner, parts in self.by_owner.items():
-                        if owner != self.me:
-                            tg.create_task(self._exchange(owner, parts))
-                    tg.create_task(self._finish_own())
-        except TimeoutError as exc:
-            self._abort(AllreduceError(f"all-reduce did not finish within {timeout:.1f} s"))
-            raise AllreduceError(
-                f"all-reduce in group of {len(self.group.members)} did not finish within "
-                f"{timeout:.1f} s"
-            ) from exc
-        except asyncio.CancelledError:
-            self._abort(AllreduceError("the peer cancelled its request"))
-            raise
-        except Exception as exc:
-            first = _first_leaf(exc)
-            self._abort(AllreduceError(str(first)))
-            if isinstance(first, _EXPECTED):
-                raise AllreduceError(_describe(first)) from first
-            raise
-        return RoundResult(len(self.group.members), len(self.parts), self.bytes_sent,
-                           self.bytes_received, time.perf_counter() - start)
+    def part(self, index: int) -> Part | None:
+        return self.parts[index] if 0 <= index < len(self.parts) else None
 
-    async def _exchange(self, owner: int, parts: list[Part]) -> None:
-        member = self.group.members[owner]
-        call = self.pool.reduce(member.endpoint, timeout=self._deadline - time.monotonic())
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._send_parts(call, parts))
-                tg.create_task(self._receive_parts(call, owner, parts))
-        finally:
-            call.cancel()
-
-    async def _send_parts(self, call: Any, parts: list[Part]) -> None:
-        for p in parts:
-            data = self.view.read(p)
-            header = pb.PartHeader(group_id=self.group.group_id, sender=self.me, part=p.index)
-            frame = frames.encode(header, data.data.cast("B"))
-            self.bytes_sent += len(frame)
-            await call.write(frame)
-        await call.done_writing()
-
-    async def _receive_parts(self, call: Any, owner: int, parts: list[Part]) -> None:
-        for p in parts:
-            frame = await call.read()
-            if frame is aio.EOF:
-                raise AllreduceError(f"peer {owner} closed its stream before part {p.index}")
-            header, payload = frames.decode(frame)
-            if header.status != pb.OK:
-                raise AllreduceError(f"peer {owner} aborted: {header.message}")
-            if header.part != p.index:
-                raise AllreduceError(f"peer {owner} sent part {header.part}, expected {p.index}")
-            values = np.frombuffer(payload, dtype=self.dtypes[p.run])
-            if values.size != p.numel:
-                raise AllreduceError(f"peer {owner} returned {values.size} elements for part "
-                                     f"{p.index}, expected {p.numel}")
-            self.bytes_received += len(frame)
-            self.view.write(p, values)
-
-    async def _finish_own(self) -> None:
+    # --- the round, from our side -----------------------------------------------------
+    async def run(self, deadline: float, grace: float) -> RoundResult:
+        start = time.monotonic()
+        self.fault.before_send()
+        weight = self.group.members[self.me].weight
         for p in self.my_parts:
-            await self._wait_part(p.index)
-            self.view.write(p, self._results[p.index])
-
-    # --- the reducer side: one sender's stream -------------------------------------------
-    async def serve(self, sender: int, first: bytes, context: aio.ServicerContext) -> None:
-        if not 0 <= sender < len(self.group.members) or sender == self.me:
-            await context.write(self._abort_frame(f"sender index {sender} is not valid here"))
-            return
-        if sender in self._served:
-            await context.write(self._abort_frame(f"sender {sender} already has a stream"))
-            return
-        self._served.add(sender)
-        weight = self.group.members[sender].weight
-        reader = asyncio.create_task(self._read_sender(sender, weight, first, context))
+            self.contribute(p, self.me, self.view.read(p), weight)
+        if not self._pending_own:
+            self._own_done.set()
+        links = [_OwnerLink(self, owner, parts) for owner, parts in self.by_owner.items()
+                 if owner != self.me]
+        tasks = [asyncio.create_task(self._exchange(link, deadline)) for link in links]
         try:
-            for p in self.my_parts:
-                await self._wait_part(p.index)
-                header = pb.PartHeader(group_id=self.group.group_id, sender=self.me, part=p.index)
-                frame = frames.encode(header, self._results[p.index].data.cast("B"))
-                self.bytes_sent += len(frame)
-                await context.write(frame)
-        except AllreduceError as exc:
-            await context.write(self._abort_frame(str(exc)))
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-
-    async def _read_sender(self, sender: int, weight: float, frame: Any,
-                           context: aio.ServicerContext) -> None:
-        try:
-            while frame is not aio.EOF:
-                header, payload = frames.decode(frame)
-                if header.sender != sender or header.group_id != self.group.group_id:
-                    raise AllreduceError(f"sender {sender} sent a frame for another stream")
-                if header.status != pb.OK:
-                    raise AllreduceError(f"sender {sender} aborted: {header.message}")
-                if not 0 <= header.part < len(self.parts):
-                    raise AllreduceError(f"sender {sender} sent unknown part {header.part}")
-                part = self.parts[header.part]
-                values = np.frombuffer(payload, dtype=self.dtypes[part.run])
-                self.bytes_received += len(frame)
-                self._contribute(part, sender, weight, values)
-                frame = await context.read()
-        except (AllreduceError, ReductionError, frames.FrameError) as exc:
-            self._abort(AllreduceError(f"bad stream from member {sender}: {exc}"))
-        except asyncio.CancelledError:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                    await self._own_done.wait()
+            except TimeoutError:
+                for sender in range(len(self.group.members)):
+                    if sender != self.me:
+                        self.exclude(sender, "silent past the round's deadline")
+            waits = [link.done.wait() for link in links]
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(deadline + grace - time.monotonic(), 0)):
+                    await asyncio.gather(*waits)
+                    await self._drain_writers()
+            for link in links:
+                link.fail("no result by the round's deadline")
+        except BaseException:
+            for ch in self._channels:
+                ch.abort("the peer left the round")
             raise
-        except Exception as exc:  # the stream broke (peer gone)
-            self._abort(AllreduceError(f"stream from member {sender} broke: {exc!r}"))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for w in self._writers:
+                w.cancel()
+            for ch in self._channels:
+                self.bytes_sent += ch.bytes_out
+                self.bytes_received += ch.bytes_in
+                ch.close()
+        return self._result(time.monotonic() - start)
 
-    # --- shared ----------------------------------------------------------------------------
-    def _contribute(self, part: Part, sender: int, weight: float, values: np.ndarray) -> None:
+    async def _exchange(self, link: _OwnerLink, deadline: float) -> None:
+        member = self.group.members[link.owner]
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                channel = await self.connect(member.data_endpoint, link)
+            self._channels.append(channel)
+            await channel.send(HELLO, 0, self.group.group_id, aux=self.me)
+            for i, p in enumerate(self.by_owner[link.owner]):
+                await self.fault.during_send(i)
+                await channel.send(PART, p.index, self.codec.encode(self.view.read(p)))
+            await link.done.wait()
+        except (OSError, DataPlaneError, TimeoutError) as exc:
+            link.fail(f"cannot stream to it: {exc!r}")
+
+    async def _drain_writers(self) -> None:
+        for slot in self.slots.values():
+            while not slot.outbox.empty():
+                await asyncio.sleep(0.001)
+
+    # --- the reducer side ---------------------------------------------------------------
+    def accept(self, sender: int, channel: Channel) -> FrameSink:
+        """A sender's stream arrived (after its HELLO)."""
+        if not 0 <= sender < len(self.group.members) or sender == self.me:
+            raise DataPlaneError(f"sender index {sender} is not valid in this group")
+        if sender in self.slots or self.reducer.excluded >> sender & 1:
+            raise DataPlaneError(f"sender {sender} already streamed or was excluded")
+        slot = _SenderSlot(self, sender, channel)
+        self.slots[sender] = slot
+        self._channels.append(channel)
+        task = asyncio.create_task(slot.write_results())
+        self._writers.add(task)
+        task.add_done_callback(self._writers.discard)
+        return slot
+
+    def contribute(self, part: Part, sender: int, values: np.ndarray,
+                   weight: float | None = None) -> None:
         if part.owner != self.me:
             raise ReductionError(f"part {part.index} is not reduced by member {self.me}")
-        if self.reducer.add(part.index, sender, weight, values):
-            self._results[part.index] = self.reducer.result(part.index)
-            self._done[part.index].set()
+        w = self.group.members[sender].weight if weight is None else weight
+        if sender != self.me:
+            self.fault.while_reducing()
+        if self.reducer.add(part.index, sender, w, values):
+            self._finalise(part.index)
 
-    async def _wait_part(self, index: int) -> None:
-        await self._done[index].wait()
-        if index not in self._results:
-            raise self._error or AllreduceError("round aborted")
+    def exclude(self, sender: int, why: str) -> None:
+        if self.reducer.excluded >> sender & 1:
+            return
+        log.info("excluding member %d of group %s: %s", sender, self.group.group_id.hex()[:8],
+                 why)
+        for index in self.reducer.exclude(sender):
+            self._finalise(index)
+        slot = self.slots.get(sender)
+        if slot is not None:
+            slot.channel.abort(f"excluded: {why}")
 
-    def _abort(self, exc: Exception) -> None:
-        if self._error is None:
-            self._error = exc
-        for ev in self._done.values():
-            ev.set()
+    def _finalise(self, index: int) -> None:
+        part = self.parts[index]
+        mask = self.reducer.mask(index)
+        if mask:
+            self.view.write(part, self.reducer.result(index))
+        self.applied[index] = mask
+        self._pending_own.discard(index)
+        for sender, slot in self.slots.items():
+            if not self.reducer.excluded >> sender & 1:
+                slot.outbox.put_nowait(index)
+        if not self._pending_own:
+            self._own_done.set()
 
-    def _abort_frame(self, message: str) -> bytes:
-        return frames.encode(pb.PartHeader(group_id=self.group.group_id, sender=self.me,
-                                           status=pb.ABORT, message=message))
+    def result_payload(self, index: int) -> memoryview:
+        payload = self._payloads.get(index)
+        if payload is None:
+            payload = self._payloads[index] = self.codec.encode(self.reducer.result(index))
+        return payload
 
-
-_EXPECTED = (AllreduceError, ReductionError, frames.FrameError, aio.AioRpcError, OSError)
-
-
-def _first_leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, aio.AioRpcError):
-        return f"peer stream failed: {exc.code().name}: {exc.details()}"
-    return str(exc)
+    def _result(self, seconds: float) -> RoundResult:
+        starts = np.cumsum([0] + [r.numel for r in self.view.runs]).tolist()
+        spans: list[tuple[int, int, int]] = []
+        for p in self.parts:
+            lo, hi, mask = starts[p.run] + p.start, starts[p.run] + p.stop, self.applied.get(
+                p.index, 0)
+            if spans and spans[-1][1] == lo and spans[-1][2] == mask:
+                spans[-1] = (spans[-1][0], hi, mask)
+            else:
+                spans.append((lo, hi, mask))
+        spans.sort()
+        averaged = sum(1 for p in self.parts if self.applied.get(p.index, 0))
+        return RoundResult(len(self.group.members), len(self.parts), averaged, tuple(spans),
+                           self.bytes_sent, self.bytes_received, seconds, self.reducer.excluded)

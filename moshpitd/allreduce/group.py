@@ -15,6 +15,7 @@ class GroupMember:
     weight: float
     client_mode: bool = False
     bandwidth: float = 1.0
+    data_endpoint: str = ""
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Group:
     round: int
     schema_hash: bytes
     members: tuple[GroupMember, ...]
+    codec: str = "none"
 
     def index_of(self, peer_id: bytes) -> int:
         for i, m in enumerate(self.members):
@@ -40,9 +42,10 @@ class Group:
     def to_proto(self) -> pb.GroupInfo:
         return pb.GroupInfo(
             group_id=self.group_id, group_key=self.key, round=self.round,
-            schema_hash=self.schema_hash,
+            schema_hash=self.schema_hash, codec=self.codec,
             members=[pb.Member(peer_id=m.peer_id, endpoint=m.endpoint, weight=m.weight,
-                               client_mode=m.client_mode, bandwidth=m.bandwidth)
+                               client_mode=m.client_mode, bandwidth=m.bandwidth,
+                               data_endpoint=m.data_endpoint)
                      for m in self.members],
         )
 
@@ -50,7 +53,7 @@ class Group:
     def from_proto(cls, info: pb.GroupInfo) -> Group:
         return cls(
             group_id=info.group_id, key=info.group_key, round=info.round,
-            schema_hash=info.schema_hash,
-            members=tuple(GroupMember(m.peer_id, m.endpoint, m.weight, m.client_mode, m.bandwidth)
-                          for m in info.members),
+            schema_hash=info.schema_hash, codec=info.codec or "none",
+            members=tuple(GroupMember(m.peer_id, m.endpoint, m.weight, m.client_mode,
+                                      m.bandwidth, m.data_endpoint) for m in info.members),
         )

@@ -172,6 +172,14 @@ class FlatView:
             return arr[lo:hi]
         return np.concatenate([arr[lo:hi] for arr, lo, hi in pieces])
 
+    def region(self, part: Part) -> memoryview | None:
+        """The part's bytes in the buffer when it lies in one tensor (for recv_into)."""
+        pieces = self._pieces(part)
+        if len(pieces) != 1:
+            return None
+        arr, lo, hi = pieces[0]
+        return arr[lo:hi].data.cast("B")
+
     def write(self, part: Part, values: np.ndarray) -> None:
         pos = 0
         for arr, lo, hi in self._pieces(part):

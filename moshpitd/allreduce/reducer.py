@@ -1,9 +1,17 @@
-"""Weighted accumulation of one owner's parts as they arrive from the group's senders."""
+"""Weighted accumulation of one owner's parts as contributions arrive, with exclusions.
+
+A part is final once every sender that is still in the round has contributed to it. Excluding a
+sender (it died, stalled past the round's deadline, or sent garbage) keeps what it already
+delivered in the mean and finalises the parts that were waiting only for it. Each part's result
+says exactly which senders it averages (a bitmask), so every returned element can be checked.
+
+float32 and float16 parts accumulate in float32 (as gloo does), float64 in float64.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -11,7 +19,7 @@ from moshpitd.allreduce.layout import Part
 
 
 class ReductionError(ValueError):
-    """A contribution does not fit the part it claims to be."""
+    """A contribution does not fit the part it claims to be, or is not a finite number."""
 
 
 @dataclass
@@ -20,40 +28,76 @@ class _Slot:
     dtype: np.dtype
     acc: np.ndarray | None = None
     weight: float = 0.0
-    senders: set[int] = field(default_factory=set)
+    mask: int = 0
 
 
 class PartReducer:
-    """Accumulates Σ w·x per part in float64 and yields Σ w·x / Σ w once all senders are in."""
-
     def __init__(self, parts: Iterable[Part], dtypes: dict[int, np.dtype], senders: int) -> None:
         self.expected = senders
+        self.excluded = 0  # bitmask of excluded senders
         self._slots = {p.index: _Slot(p, np.dtype(dtypes[p.run])) for p in parts}
+        self._results: dict[int, np.ndarray] = {}
 
     def add(self, part_index: int, sender: int, weight: float, values: np.ndarray) -> bool:
-        """Adds one sender's part; True when the part now has every expected contribution."""
+        """Adds one sender's part; True when the part became final with it."""
         slot = self._slots.get(part_index)
         if slot is None:
             raise ReductionError(f"part {part_index} is not reduced here")
-        if sender in slot.senders:
+        bit = 1 << sender
+        if not 0 <= sender < self.expected or self.excluded & bit:
+            raise ReductionError(f"sender {sender} is not (or no longer) in this round")
+        if slot.mask & bit:
             raise ReductionError(f"sender {sender} sent part {part_index} twice")
         if values.shape != (slot.part.numel,):
             raise ReductionError(
                 f"part {part_index}: {values.size} elements, expected {slot.part.numel}"
             )
+        if not np.isfinite(values).all():
+            raise ReductionError(f"sender {sender} sent non-finite values in part {part_index}")
+        acc_dtype = np.float64 if slot.dtype == np.float64 else np.float32
         if slot.acc is None:
-            slot.acc = np.multiply(values, weight, dtype=np.float64)
+            slot.acc = np.multiply(values, weight, dtype=acc_dtype)
         else:
-            slot.acc += np.multiply(values, weight, dtype=np.float64)
+            slot.acc += np.multiply(values, weight, dtype=acc_dtype)
         slot.weight += weight
-        slot.senders.add(sender)
-        return len(slot.senders) >= self.expected
+        slot.mask |= bit
+        return self.is_final(part_index)
+
+    def exclude(self, sender: int) -> list[int]:
+        """Stop waiting for sender; returns the parts that became final because of it."""
+        bit = 1 << sender
+        if self.excluded & bit:
+            return []
+        before = {i for i in self._slots if self.is_final(i)}
+        self.excluded |= bit
+        return [i for i in self._slots if i not in before and self.is_final(i)]
+
+    def is_final(self, part_index: int) -> bool:
+        waiting = ((1 << self.expected) - 1) & ~self.excluded
+        return self._slots[part_index].mask & waiting == waiting
+
+    def mask(self, part_index: int) -> int:
+        """Senders averaged into the part's result; 0 when there is no average."""
+        slot = self._slots[part_index]
+        return slot.mask if slot.acc is not None and slot.weight > 0 else 0
 
     def result(self, part_index: int) -> np.ndarray:
+        """Σ w·x / Σ w in the part's dtype, computed once (in place when dtypes agree)."""
+        done = self._results.get(part_index)
+        if done is not None:
+            return done
         slot = self._slots[part_index]
         if slot.acc is None or slot.weight <= 0:
             raise ReductionError(f"part {part_index} has no weighted contribution")
-        return (slot.acc / slot.weight).astype(slot.dtype)
+        if not self.is_final(part_index):  # a preview: leave the accumulator alone
+            return (slot.acc / slot.weight).astype(slot.dtype)
+        if slot.acc.dtype == slot.dtype:
+            slot.acc *= 1.0 / slot.weight  # nothing more can be added: reuse its memory
+            out = slot.acc
+        else:
+            out = (slot.acc / slot.weight).astype(slot.dtype)
+        self._results[part_index] = out
+        return out
 
     def contributors(self, part_index: int) -> int:
-        return len(self._slots[part_index].senders)
+        return bin(self._slots[part_index].mask).count("1")

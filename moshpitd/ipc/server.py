@@ -23,6 +23,7 @@ from typing import Any
 
 from moshpitd import __version__
 from moshpitd.allreduce.butterfly import AllreduceError
+from moshpitd.allreduce.codecs import CODECS
 from moshpitd.allreduce.layout import LayoutError
 from moshpitd.ipc.buffer import BufferError_, SharedBuffer
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
@@ -191,8 +192,11 @@ class Session:
                 coords = grid.check(coords)
             except GridError as exc:
                 raise RequestError(str(exc)) from None
+        codec = _field(msg, "codec", str, "none")
+        if codec not in CODECS:
+            raise RequestError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
         request = AverageRequest(key, specs, weight, timeout, group_size, min_group, grid,
-                                 rounds, coords)
+                                 rounds, coords, codec)
         buffer = self.buffer
         task = asyncio.create_task(self._average(request, buffer, rid))
         self.tasks.add(task)
@@ -208,7 +212,8 @@ class Session:
                      "bytes_sent": sum(r.bytes_sent for r in result.rounds),
                      "bytes_received": sum(r.bytes_received for r in result.rounds),
                      "round": result.last_round, "coords": result.coords,
-                     "group_sizes": [max(r.group_size, 1) for r in result.rounds]}
+                     "group_sizes": [max(r.group_size, 1) for r in result.rounds],
+                     "spans": [list(span) for span in result.spans]}
             self.node.metrics.ipc_requests.labels("average", "ok").inc()
         except (MatchmakingError, AllreduceError, LayoutError, ValueError) as exc:
             self.node.metrics.ipc_requests.labels("average", "error").inc()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -51,6 +52,7 @@ class MatchRequest:
     # Peers known to be coming (grid line-mates). None: unknown, so assemble once everyone
     # declared under the key has joined and nothing changed for SETTLE_SECONDS.
     expected: frozenset[bytes] | None = None
+    codec: str = "none"
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ SETTLE_SECONDS = 0.5  # without a grid: how long a complete-looking group must s
 class Self:
     peer_id: bytes
     endpoint: str
+    data_endpoint: str = ""
+    bandwidth: float = 1.0
 
 
 @dataclass
@@ -242,11 +246,15 @@ class Matchmaker:
 
     def _assemble(self) -> Group:
         members = [GroupMember(self.me.peer_id, self.me.endpoint, self.req.weight,
-                               self.req.client_mode)]
+                               self.req.client_mode, self.me.bandwidth, self.me.data_endpoint)]
         for pid, f in self.followers.items():
-            members.append(GroupMember(pid, f.request.endpoint, f.request.weight,
-                                       f.request.client_mode))
-        group = Group(os.urandom(16), self.req.key, 0, self.req.schema_hash, tuple(members))
+            r = f.request
+            members.append(GroupMember(pid, r.endpoint, r.weight, r.client_mode, r.bandwidth,
+                                       r.data_endpoint))
+        if sum(m.weight for m in members) <= 0:
+            log.info("group under %s has zero total weight", self.req.key)
+        group = Group(os.urandom(16), self.req.key, 0, self.req.schema_hash, tuple(members),
+                      self.req.codec)
         info = group.to_proto()
         self.accepting = False
         for f in self.followers.values():
@@ -276,6 +284,8 @@ class Matchmaker:
                 group_key=self.req.key, peer_id=self.me.peer_id, endpoint=self.me.endpoint,
                 schema_hash=self.req.schema_hash, weight=self.req.weight,
                 client_mode=self.req.client_mode, protocol_version=PROTOCOL_VERSION,
+                data_endpoint=self.me.data_endpoint, bandwidth=self.me.bandwidth,
+                codec=self.req.codec,
             )
             remaining = final - time.monotonic()
             if remaining <= 0:
@@ -372,8 +382,10 @@ class Matchmaker:
         if request.protocol_version != PROTOCOL_VERSION:
             return no(pb.PROTOCOL_MISMATCH, f"protocol {request.protocol_version} != "
                                             f"{PROTOCOL_VERSION}")
-        if len(request.peer_id) != 20 or not request.endpoint or not request.weight >= 0:
-            return no(pb.BAD_REQUEST, "peer id, endpoint or weight missing or malformed")
+        if (len(request.peer_id) != 20 or not request.endpoint or not request.data_endpoint
+                or not request.weight >= 0 or not math.isfinite(request.weight)
+                or not (math.isfinite(request.bandwidth) and request.bandwidth >= 0)):
+            return no(pb.BAD_REQUEST, "peer id, endpoints, weight or bandwidth malformed")
         if request.group_key != self.req.key:
             return no(pb.WRONG_KEY, f"this peer averages under {self.req.key!r}")
         if not self.accepting:
@@ -383,8 +395,8 @@ class Matchmaker:
                 resp.suggested_leader_id = self.leader.peer_id
                 return resp
             return no(pb.NOT_LOOKING, "not accepting followers now")
-        if request.schema_hash != self.req.schema_hash:
-            return no(pb.BAD_SCHEMA, "tensor dtypes/shapes differ from this group's")
+        if request.schema_hash != self.req.schema_hash or request.codec != self.req.codec:
+            return no(pb.BAD_SCHEMA, "tensor dtypes/shapes or codec differ from this group's")
         if self._asking == request.peer_id and request.peer_id < self.me.peer_id:
             # Both of us asked the other at once: the lower peer id leads, on both sides.
             return no(pb.NOT_LOOKING, "we are asking you to lead; the lower peer id leads")

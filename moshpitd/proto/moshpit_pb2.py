@@ -24,31 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rmoshpit.proto\x12\x07moshpit\"\x97\x01\n\x0bJoinRequest\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x13\n\x0bschema_hash\x18\x04 \x01(\x0c\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x13\n\x0b\x63lient_mode\x18\x06 \x01(\x08\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\"\x9f\x01\n\x0cJoinResponse\x12\x1f\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x11.moshpit.JoinCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10suggested_leader\x18\x03 \x01(\t\x12\x1b\n\x13suggested_leader_id\x18\x04 \x01(\x0c\x12&\n\ngroup_info\x18\x05 \x01(\x0b\x32\x12.moshpit.GroupInfo\"c\n\x06Member\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x13\n\x0b\x63lient_mode\x18\x04 \x01(\x08\x12\x11\n\tbandwidth\x18\x05 \x01(\x01\"v\n\tGroupInfo\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x13\n\x0bschema_hash\x18\x04 \x01(\x0c\x12 \n\x07members\x18\x05 \x03(\x0b\x32\x0f.moshpit.Member\"\x91\x01\n\nPartHeader\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\x1d\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x0e.moshpit.Codec\x12#\n\x06status\x18\x05 \x01(\x0e\x32\x13.moshpit.PartStatus\x12\x0f\n\x07message\x18\x06 \x01(\t\"\x18\n\tPartFrame\x12\x0b\n\x03raw\x18\x01 \x01(\x0c*\xe5\x01\n\x08JoinCode\x12\x19\n\x15JOIN_CODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x13\n\x0fGROUP_ASSEMBLED\x10\x02\x12\x0f\n\x0bNOT_LOOKING\x10\x03\x12\r\n\tWRONG_KEY\x10\x04\x12\x0e\n\nGROUP_FULL\x10\x05\x12\x10\n\x0cNOT_A_LEADER\x10\x06\x12\x12\n\x0e\x44UPLICATE_PEER\x10\x07\x12\x0e\n\nBAD_SCHEMA\x10\x08\x12\r\n\tDISBANDED\x10\t\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\n\x12\x15\n\x11PROTOCOL_MISMATCH\x10\x0b*\x11\n\x05\x43odec\x12\x08\n\x04NONE\x10\x00*\x1f\n\nPartStatus\x12\x06\n\x02OK\x10\x00\x12\t\n\x05\x41\x42ORT\x10\x01\x32w\n\x08\x41verager\x12\x35\n\x04Join\x12\x14.moshpit.JoinRequest\x1a\x15.moshpit.JoinResponse0\x01\x12\x34\n\x06Reduce\x12\x12.moshpit.PartFrame\x1a\x12.moshpit.PartFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rmoshpit.proto\x12\x07moshpit\"\xd0\x01\n\x0bJoinRequest\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x13\n\x0bschema_hash\x18\x04 \x01(\x0c\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x13\n\x0b\x63lient_mode\x18\x06 \x01(\x08\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x15\n\rdata_endpoint\x18\x08 \x01(\t\x12\x11\n\tbandwidth\x18\t \x01(\x01\x12\r\n\x05\x63odec\x18\n \x01(\t\"\x9f\x01\n\x0cJoinResponse\x12\x1f\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x11.moshpit.JoinCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10suggested_leader\x18\x03 \x01(\t\x12\x1b\n\x13suggested_leader_id\x18\x04 \x01(\x0c\x12&\n\ngroup_info\x18\x05 \x01(\x0b\x32\x12.moshpit.GroupInfo\"z\n\x06Member\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x13\n\x0b\x63lient_mode\x18\x04 \x01(\x08\x12\x11\n\tbandwidth\x18\x05 \x01(\x01\x12\x15\n\rdata_endpoint\x18\x06 \x01(\t\"\x85\x01\n\tGroupInfo\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x13\n\x0bschema_hash\x18\x04 \x01(\x0c\x12 \n\x07members\x18\x05 \x03(\x0b\x32\x0f.moshpit.Member\x12\r\n\x05\x63odec\x18\x06 \x01(\t*\xe5\x01\n\x08JoinCode\x12\x19\n\x15JOIN_CODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x13\n\x0fGROUP_ASSEMBLED\x10\x02\x12\x0f\n\x0bNOT_LOOKING\x10\x03\x12\r\n\tWRONG_KEY\x10\x04\x12\x0e\n\nGROUP_FULL\x10\x05\x12\x10\n\x0cNOT_A_LEADER\x10\x06\x12\x12\n\x0e\x44UPLICATE_PEER\x10\x07\x12\x0e\n\nBAD_SCHEMA\x10\x08\x12\r\n\tDISBANDED\x10\t\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\n\x12\x15\n\x11PROTOCOL_MISMATCH\x10\x0b\x32\x41\n\x08\x41verager\x12\x35\n\x04Join\x12\x14.moshpit.JoinRequest\x1a\x15.moshpit.JoinResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moshpit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOINCODE']._serialized_start=738
-  _globals['_JOINCODE']._serialized_end=967
-  _globals['_CODEC']._serialized_start=969
-  _globals['_CODEC']._serialized_end=986
-  _globals['_PARTSTATUS']._serialized_start=988
-  _globals['_PARTSTATUS']._serialized_end=1019
+  _globals['_JOINCODE']._serialized_start=660
+  _globals['_JOINCODE']._serialized_end=889
   _globals['_JOINREQUEST']._serialized_start=27
-  _globals['_JOINREQUEST']._serialized_end=178
-  _globals['_JOINRESPONSE']._serialized_start=181
-  _globals['_JOINRESPONSE']._serialized_end=340
-  _globals['_MEMBER']._serialized_start=342
-  _globals['_MEMBER']._serialized_end=441
-  _globals['_GROUPINFO']._serialized_start=443
-  _globals['_GROUPINFO']._serialized_end=561
-  _globals['_PARTHEADER']._serialized_start=564
-  _globals['_PARTHEADER']._serialized_end=709
-  _globals['_PARTFRAME']._serialized_start=711
-  _globals['_PARTFRAME']._serialized_end=735
-  _globals['_AVERAGER']._serialized_start=1021
-  _globals['_AVERAGER']._serialized_end=1140
+  _globals['_JOINREQUEST']._serialized_end=235
+  _globals['_JOINRESPONSE']._serialized_start=238
+  _globals['_JOINRESPONSE']._serialized_end=397
+  _globals['_MEMBER']._serialized_start=399
+  _globals['_MEMBER']._serialized_end=521
+  _globals['_GROUPINFO']._serialized_start=524
+  _globals['_GROUPINFO']._serialized_end=657
+  _globals['_AVERAGER']._serialized_start=891
+  _globals['_AVERAGER']._serialized_end=956
 # @@protoc_insertion_point(module_scope)

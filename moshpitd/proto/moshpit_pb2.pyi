@@ -21,15 +21,6 @@ class JoinCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DISBANDED: _ClassVar[JoinCode]
     BAD_REQUEST: _ClassVar[JoinCode]
     PROTOCOL_MISMATCH: _ClassVar[JoinCode]
-
-class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    NONE: _ClassVar[Codec]
-
-class PartStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    OK: _ClassVar[PartStatus]
-    ABORT: _ClassVar[PartStatus]
 JOIN_CODE_UNSPECIFIED: JoinCode
 ACCEPTED: JoinCode
 GROUP_ASSEMBLED: JoinCode
@@ -42,12 +33,9 @@ BAD_SCHEMA: JoinCode
 DISBANDED: JoinCode
 BAD_REQUEST: JoinCode
 PROTOCOL_MISMATCH: JoinCode
-NONE: Codec
-OK: PartStatus
-ABORT: PartStatus
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group_key", "peer_id", "endpoint", "schema_hash", "weight", "client_mode", "protocol_version")
+    __slots__ = ("group_key", "peer_id", "endpoint", "schema_hash", "weight", "client_mode", "protocol_version", "data_endpoint", "bandwidth", "codec")
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +43,9 @@ class JoinRequest(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     group_key: str
     peer_id: bytes
     endpoint: str
@@ -62,7 +53,10 @@ class JoinRequest(_message.Message):
     weight: float
     client_mode: bool
     protocol_version: int
-    def __init__(self, group_key: _Optional[str] = ..., peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    data_endpoint: str
+    bandwidth: float
+    codec: str
+    def __init__(self, group_key: _Optional[str] = ..., peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., bandwidth: _Optional[float] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("code", "message", "suggested_leader", "suggested_leader_id", "group_info")
@@ -79,51 +73,33 @@ class JoinResponse(_message.Message):
     def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., message: _Optional[str] = ..., suggested_leader: _Optional[str] = ..., suggested_leader_id: _Optional[bytes] = ..., group_info: _Optional[_Union[GroupInfo, _Mapping]] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("peer_id", "endpoint", "weight", "client_mode", "bandwidth")
+    __slots__ = ("peer_id", "endpoint", "weight", "client_mode", "bandwidth", "data_endpoint")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     peer_id: bytes
     endpoint: str
     weight: float
     client_mode: bool
     bandwidth: float
-    def __init__(self, peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., bandwidth: _Optional[float] = ...) -> None: ...
+    data_endpoint: str
+    def __init__(self, peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., bandwidth: _Optional[float] = ..., data_endpoint: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("group_id", "group_key", "round", "schema_hash", "members")
+    __slots__ = ("group_id", "group_key", "round", "schema_hash", "members", "codec")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     group_key: str
     round: int
     schema_hash: bytes
     members: _containers.RepeatedCompositeFieldContainer[Member]
-    def __init__(self, group_id: _Optional[bytes] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., schema_hash: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
-
-class PartHeader(_message.Message):
-    __slots__ = ("group_id", "sender", "part", "codec", "status", "message")
-    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
-    SENDER_FIELD_NUMBER: _ClassVar[int]
-    PART_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    group_id: bytes
-    sender: int
-    part: int
-    codec: Codec
-    status: PartStatus
-    message: str
-    def __init__(self, group_id: _Optional[bytes] = ..., sender: _Optional[int] = ..., part: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., status: _Optional[_Union[PartStatus, str]] = ..., message: _Optional[str] = ...) -> None: ...
-
-class PartFrame(_message.Message):
-    __slots__ = ("raw",)
-    RAW_FIELD_NUMBER: _ClassVar[int]
-    raw: bytes
-    def __init__(self, raw: _Optional[bytes] = ...) -> None: ...
+    codec: str
+    def __init__(self, group_id: _Optional[bytes] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., schema_hash: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., codec: _Optional[str] = ...) -> None: ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -15,11 +15,9 @@ log = logging.getLogger(__name__)
 
 SERVICE = "moshpit.Averager"
 JOIN = f"/{SERVICE}/Join"
-REDUCE = f"/{SERVICE}/Reduce"
 DEFAULT_MAX_MESSAGE = 64 << 20
 
 JoinHandler = Callable[[pb.JoinRequest, aio.ServicerContext], AsyncIterator[pb.JoinResponse]]
-ReduceHandler = Callable[[aio.ServicerContext], Awaitable[None]]
 
 
 def channel_options(max_message: int) -> list[tuple[str, Any]]:
@@ -34,12 +32,10 @@ def channel_options(max_message: int) -> list[tuple[str, Any]]:
 
 
 class AveragerServer:
-    """Serves Join (protobuf) and Reduce (raw frames) with generic handlers."""
+    """Serves the control plane (Join) with a generic handler."""
 
-    def __init__(self, join: JoinHandler, reduce: ReduceHandler,
-                 max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+    def __init__(self, join: JoinHandler, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
         self._join = join
-        self._reduce = reduce
         self.max_message = max_message
         self.server: aio.Server | None = None
 
@@ -52,7 +48,6 @@ class AveragerServer:
                 request_deserializer=pb.JoinRequest.FromString,
                 response_serializer=pb.JoinResponse.SerializeToString,
             ),
-            "Reduce": grpc.stream_stream_rpc_method_handler(self._reduce_entry),
         }
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
@@ -63,9 +58,6 @@ class AveragerServer:
             raise OSError(f"cannot bind gRPC to {target}")
         await self.server.start()
         return bound
-
-    async def _reduce_entry(self, request_iterator: Any, context: aio.ServicerContext) -> None:
-        await self._reduce(context)
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.server is not None:
@@ -97,9 +89,6 @@ class ChannelPool:
             response_deserializer=pb.JoinResponse.FromString,
         )
         return method(request, timeout=timeout)
-
-    def reduce(self, endpoint: str, timeout: float) -> Any:
-        return self.channel(endpoint).stream_stream(REDUCE)(timeout=timeout)
 
     async def close(self) -> None:
         for ch in self._channels.values():

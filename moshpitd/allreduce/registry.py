@@ -1,0 +1,134 @@
+"""The data-plane listener and the rounds it routes incoming streams to, plus round deadlines.
+
+A sender may connect before the reducer has even learnt of the group (the leader's GroupInfo
+reaches members in any order), so a stream that names an unknown group waits a little for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from moshpitd.allreduce.butterfly import ButterflyRound
+from moshpitd.transport.dataplane import (
+    HELLO,
+    Channel,
+    DataPlaneError,
+    FrameSink,
+    connect,
+    serve,
+    split_endpoint,
+)
+
+log = logging.getLogger(__name__)
+
+STREAM_WAIT = 10.0
+MAX_PENDING = 1024
+
+
+@dataclass
+class DeadlinePolicy:
+    """One deadline per round, from observed throughput: a healthy round takes `expected`
+    seconds; faults are declared at `factor` times that (never below `floor`)."""
+
+    floor: float = 2.0
+    factor: float = 4.0
+    throughput: float = 50e6  # bytes/s per peer, learnt from finished rounds
+    alpha: float = 0.3
+
+    def budget(self, bytes_per_peer: int) -> float:
+        return max(self.floor, self.factor * bytes_per_peer / self.throughput)
+
+    def observe(self, bytes_moved: int, seconds: float) -> None:
+        if seconds > 0 and bytes_moved > (1 << 20):
+            rate = bytes_moved / seconds
+            self.throughput = (1 - self.alpha) * self.throughput + self.alpha * rate
+
+
+class _Hello:
+    """The first frame on an incoming stream says which round and which sender it is."""
+
+    def __init__(self, registry: RoundRegistry) -> None:
+        self.registry = registry
+        self.channel: Channel | None = None
+
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        if kind != HELLO or length != 16:
+            raise DataPlaneError("a stream must open with HELLO")
+        return None
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        assert self.channel is not None and self.channel.transport is not None
+        self.channel.transport.pause_reading()
+        task = asyncio.ensure_future(self.registry.route(self.channel, bytes(payload), aux))
+        self.registry.tasks.add(task)
+        task.add_done_callback(self.registry.tasks.discard)
+
+    def on_close(self, exc: BaseException | None) -> None:
+        pass
+
+
+class RoundRegistry:
+    def __init__(self, max_payload: int) -> None:
+        self.max_payload = max_payload
+        self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        def accept() -> Channel:
+            hello = _Hello(self)
+            channel = Channel(hello, self.max_payload)
+            hello.channel = channel
+            return channel
+
+        self.server = await serve(host, port, accept)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+
+    async def connect(self, endpoint: str, sink: FrameSink) -> Channel:
+        host, port = split_endpoint(endpoint)
+        return await connect(host, port, sink, self.max_payload)
+
+    def _future(self, group_id: bytes) -> asyncio.Future[ButterflyRound]:
+        fut = self._rounds.get(group_id)
+        if fut is None:
+            if len(self._rounds) >= MAX_PENDING:
+                raise DataPlaneError("too many pending groups")
+            fut = asyncio.get_running_loop().create_future()
+            self._rounds[group_id] = fut
+        return fut
+
+    def register(self, rnd: ButterflyRound) -> None:
+        fut = self._future(rnd.group.group_id)
+        if not fut.done():
+            fut.set_result(rnd)
+
+    def unregister(self, group_id: bytes) -> None:
+        self._rounds.pop(group_id, None)
+
+    async def route(self, channel: Channel, group_id: bytes, sender: int) -> None:
+        started = time.monotonic()
+        try:
+            fut = self._future(group_id)
+            async with asyncio.timeout(STREAM_WAIT):
+                rnd = await asyncio.shield(fut)
+            channel.sink = rnd.accept(sender, channel)
+        except (TimeoutError, DataPlaneError) as exc:
+            pending = self._rounds.get(group_id)
+            if pending is not None and not pending.done():
+                del self._rounds[group_id]
+            why = str(exc) or f"no group {group_id.hex()[:8]} here after {STREAM_WAIT:.0f} s"
+            log.info("refusing stream from member %d: %s (waited %.2fs)", sender, why,
+                     time.monotonic() - started)
+            channel.abort(why)
+            return
+        if channel.transport is not None and not channel.transport.is_closing():
+            channel.transport.resume_reading()

@@ -1,0 +1,171 @@
+"""The tensor data plane: plain TCP between daemons, parts written from and read into place.
+
+gRPC carries the control messages, but its Python API wants each message as one `bytes`, which
+costs a copy per part on each side and a per-message overhead that caps a stream well below
+what the wire gives (see the closing notes of the speed work). Here a part leaves the trainer's
+shared buffer as a memoryview handed to the socket, and arrives with recv_into straight into
+its destination (a reducer's staging buffer, or the trainer's buffer for averaged results).
+
+Frame: 24-byte header (kind u8, flags u8, reserved u16, part u32, length u64, aux u64;
+little-endian), then `length` payload bytes. `aux` is the sender index in HELLO and the
+contributors bitmask in RESULT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from typing import Protocol, cast
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct("<BBHIQQ")
+HELLO, PART, RESULT, ABORT = 1, 2, 3, 4
+KINDS = {HELLO, PART, RESULT, ABORT}
+MAX_CONTROL_PAYLOAD = 4096
+
+
+class DataPlaneError(Exception):
+    """A peer broke the data-plane protocol."""
+
+
+class FrameSink(Protocol):
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        """Where the payload goes (exactly `length` bytes), or None for a fresh buffer.
+        Raise DataPlaneError to refuse the frame."""
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        """A whole frame arrived."""
+
+    def on_close(self, exc: BaseException | None) -> None:
+        """The connection is gone."""
+
+
+class Channel(asyncio.BufferedProtocol):
+    """One TCP connection of the data plane, in either direction."""
+
+    def __init__(self, sink: FrameSink | None = None, max_payload: int = 64 << 20) -> None:
+        self.sink = sink
+        self.max_payload = max_payload
+        self.transport: asyncio.Transport | None = None
+        self._hdr = bytearray(HEADER.size)
+        self._target = memoryview(self._hdr)
+        self._filled = 0
+        self._frame: tuple[int, int, int, int] | None = None  # kind, part, length, aux
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self.closed: asyncio.Future[BaseException | None] = (
+            asyncio.get_running_loop().create_future())
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    # --- asyncio protocol ---------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._target[self._filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        self.bytes_in += nbytes
+        if self._filled < len(self._target):
+            return
+        try:
+            if self._frame is None:
+                self._header_done()
+            else:
+                self._payload_done()
+        except Exception as exc:  # a peer's bytes must never escape into the event loop
+            self.abort(exc)
+
+    def _header_done(self) -> None:
+        kind, _flags, _reserved, part, length, aux = HEADER.unpack(self._hdr)
+        if kind not in KINDS:
+            raise DataPlaneError(f"unknown frame kind {kind}")
+        limit = self.max_payload if kind in (PART, RESULT) else MAX_CONTROL_PAYLOAD
+        if length > limit:
+            raise DataPlaneError(f"frame of {length} bytes exceeds {limit}")
+        self._frame = (kind, part, length, aux)
+        dest = (self.sink.buffer_for(kind, part, length, aux) if self.sink is not None
+                else None)
+        if dest is None:
+            dest = memoryview(bytearray(length))
+        elif len(dest) != length:
+            raise DataPlaneError("internal: destination buffer has the wrong size")
+        self._target, self._filled = dest, 0
+        if length == 0:
+            self._payload_done()
+
+    def _payload_done(self) -> None:
+        assert self._frame is not None
+        kind, part, _, aux = self._frame
+        payload = self._target
+        self._frame = None
+        self._target, self._filled = memoryview(self._hdr), 0
+        if self.sink is not None:
+            self.sink.on_frame(kind, part, payload, aux)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._can_write.set()
+        if not self.closed.done():
+            self.closed.set_result(exc)
+        if self.sink is not None:
+            sink, self.sink = self.sink, None
+            sink.on_close(exc)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    # --- sending ------------------------------------------------------------------------
+    async def send(self, kind: int, part: int, *payload: memoryview | bytes, aux: int = 0) -> None:
+        """Queue one frame; waits while the socket's buffer is full (flow control)."""
+        if self.transport is None or self.transport.is_closing():
+            raise DataPlaneError("connection closed")
+        length = sum(len(p) for p in payload)
+        self.transport.write(HEADER.pack(kind, 0, 0, part, length, aux))
+        for p in payload:
+            if len(p):
+                self.transport.write(p)
+        self.bytes_out += HEADER.size + length
+        await self._can_write.wait()
+
+    def send_nowait(self, kind: int, part: int, payload: bytes = b"") -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(HEADER.pack(kind, 0, 0, part, len(payload), 0) + payload)
+
+    def abort(self, exc: BaseException | str) -> None:
+        """Tell the peer why (best effort) and drop the connection."""
+        message = str(exc).encode()[:MAX_CONTROL_PAYLOAD]
+        log.debug("data channel aborted: %s", message.decode(errors="replace"))
+        self.send_nowait(ABORT, 0, message)
+        if self.transport is not None:
+            self.transport.close()
+        if not self.closed.done():
+            self.closed.set_result(exc if isinstance(exc, BaseException)
+                                   else DataPlaneError(str(exc)))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def connect(host: str, port: int, sink: FrameSink, max_payload: int) -> Channel:
+    loop = asyncio.get_running_loop()
+    _, channel = await loop.create_connection(lambda: Channel(sink, max_payload), host, port)
+    return channel
+
+
+async def serve(host: str, port: int, accept: Callable[[], Channel]) -> asyncio.Server:
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(accept, host, port, reuse_address=True)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
