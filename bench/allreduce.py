@@ -1,0 +1,158 @@
+"""`python -m bench.allreduce`: moshpit averaging vs torch.distributed gloo all_reduce.
+
+Both systems average one float32 tensor over P local processes; the moshpit time is what a
+trainer waits for in `Client.average`, so it includes the IPC hand-off through the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import statistics
+import sys
+from typing import Any, NoReturn
+
+from bench.procs import BenchError
+from bench.runners import Samples, run_gloo, run_moshpit
+
+SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+CODECS = ("none",)
+
+
+def parse_elems(text: str) -> int:
+    """8M -> 8 * 1024 * 1024: binary suffixes, so sizes match power-of-two tensor shapes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*", text.upper())
+    if m is None or int(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive count like 8M, got {text!r}")
+    return int(m.group(1)) * SUFFIXES[m.group(2)]
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.allreduce", description=__doc__)
+    p.add_argument("--peers", type=positive, default=4, help="processes per system (default 4)")
+    p.add_argument("--elems", type=parse_elems, default=8 << 20, metavar="E",
+                   help="float32 elements; K/M/G suffixes are binary, M = 1024*1024 "
+                        "(default 8M = 8388608)")
+    p.add_argument("--codec", default="none",
+                   help="wire codec for moshpit; only 'none' is supported for now")
+    p.add_argument("--repeat", type=positive, default=5,
+                   help="timed repeats after one warm-up (default 5)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="per-round timeout in seconds (default 120)")
+    p.add_argument("--min-group-size", type=positive, metavar="N",
+                   help="moshpit min_group_size (default: --peers, so every round averages all "
+                        "peers like gloo does; 2, the client's default, lets rounds split)")
+    p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
+    p.add_argument("--skip-gloo", action="store_true", help="run moshpit only")
+    p.add_argument("--skip-moshpit", action="store_true", help="run gloo only")
+    p.add_argument("--workdir", help="keep moshpit daemon logs and sockets here")
+    p.add_argument("--daemon-log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="moshpitd --log-level")
+    return p
+
+
+def summarize(s: Samples, peers: int, elems: int) -> dict[str, Any]:
+    """Median/min/max over repeats; moshpit also gets its daemon-side breakdown."""
+    row: dict[str, Any] = {
+        "system": s.system, "peers": peers, "elems": elems,
+        "median_s": statistics.median(s.seconds), "min_s": min(s.seconds),
+        "max_s": max(s.seconds), "samples_s": s.seconds, "max_error": s.max_error,
+    }
+    if s.daemon_seconds:
+        row.update({
+            "daemon_median_s": statistics.median(s.daemon_seconds),
+            "matchmaking_median_s": statistics.median(s.matchmaking_seconds),
+            "allreduce_median_s": statistics.median(s.reduce_seconds),
+            "ipc_overhead_median_s": statistics.median(s.overhead_seconds),
+            "partial_rounds": s.partial_rounds,
+        })
+    return row
+
+
+def fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "-" if value is None else str(value)
+
+
+def print_table(rows: list[dict[str, Any]], ratio: float | None) -> None:
+    cols = [("system", "system"), ("peers", "peers"), ("elems", "elems"),
+            ("median_s", "median s"), ("min_s", "min s"), ("max_s", "max s"),
+            ("daemon_median_s", "daemon s"), ("matchmaking_median_s", "match s"),
+            ("allreduce_median_s", "reduce s"), ("ipc_overhead_median_s", "ipc s"),
+            ("partial_rounds", "split")]
+    cells = [[title for _, title in cols]] + [[fmt(r.get(k)) for k, _ in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    for i, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w)
+                        for j, (c, w) in enumerate(zip(row, widths, strict=True))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    if ratio is not None:
+        print(f"\nratio moshpit median / gloo median: {ratio:.2f}x")
+    for r in rows:
+        if r.get("partial_rounds"):
+            print(f"WARNING: in {r['partial_rounds']} of {len(r['samples_s'])} {r['system']} "
+                  "repeats the peers split into smaller groups (not one average of all peers)")
+    print("\nTimes are medians over repeats of the slowest peer per repeat. daemon = the "
+          "daemon's own\ntime (match = matchmaking, reduce = daemon - match); ipc = call - "
+          "daemon time (median\nover peers and repeats); split = repeats whose peers did not "
+          "all form one group.")
+
+
+def _on_sigterm(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)  # unwinds through the cleanup of every child and daemon
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.codec not in CODECS:
+        parser.error(f"--codec {args.codec!r} is not supported yet; supported: "
+                     f"{', '.join(CODECS)}")
+    if args.skip_gloo and args.skip_moshpit:
+        parser.error("--skip-gloo and --skip-moshpit together leave nothing to run")
+    if args.peers < 2:
+        parser.error("--peers must be at least 2 (moshpit needs a group of two)")
+    if args.min_group_size is None:
+        args.min_group_size = args.peers
+    if args.min_group_size > args.peers:
+        parser.error("--min-group-size cannot exceed --peers")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    rows: list[dict[str, Any]] = []
+    try:
+        if not args.skip_moshpit:
+            rows.append(summarize(run_moshpit(args.peers, args.elems, args.repeat,
+                                              args.timeout, args.workdir,
+                                              args.daemon_log_level, args.min_group_size),
+                                  args.peers, args.elems))
+        if not args.skip_gloo:
+            rows.append(summarize(run_gloo(args.peers, args.elems, args.repeat, args.timeout),
+                                  args.peers, args.elems))
+    except BenchError as exc:
+        print(f"bench.allreduce: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench.allreduce: interrupted; children stopped", file=sys.stderr)
+        return 130
+    medians = {r["system"]: r["median_s"] for r in rows}
+    ratio = (medians["moshpit"] / medians["gloo"]
+             if {"moshpit", "gloo"} <= medians.keys() and medians["gloo"] > 0 else None)
+    if args.json:
+        print(json.dumps({"peers": args.peers, "elems": args.elems, "codec": args.codec,
+                          "min_group_size": args.min_group_size,
+                          "repeat": args.repeat, "rows": rows, "ratio": ratio}, indent=2))
+    else:
+        print_table(rows, ratio)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
