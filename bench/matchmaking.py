@@ -10,9 +10,9 @@ LocalSwarm of real daemons, one trainer-like worker process per daemon:
 
 Workers are started fresh (`python -m bench.matchmaking --worker`, never forked) and released by
 one JSON "go" line each, carrying a wall-clock start time a little in the future: every worker
-sleeps until that instant, so all calls start within a fraction of a millisecond of each other
-(the measured spread is reported as `skew`). One warm-up call per scenario (first connections,
-for the grid also choosing cells) is reported apart from the timed repeats.
+sleeps until that instant, so the calls start together up to the scheduler's wake-up jitter
+(reported as `skew`: a few ms, tens of ms while 16 daemons keep both cores busy). One warm-up
+call per scenario (first connections, for the grid also choosing cells) is reported apart.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import math
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -84,6 +85,19 @@ def worker(socket_path: str, elems: int) -> int:
 # --- the orchestrator ---------------------------------------------------------------------
 def _log(msg: str) -> None:
     print(f"[bench.matchmaking] {msg}", file=sys.stderr, flush=True)
+
+
+def code_version() -> dict[str, Any]:
+    """Which daemon code was measured: the commit and how many files differ from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "moshpitd",
+                                "client"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty_files": None}
+    return {"commit": commit or None, "dirty_files": len(dirty.splitlines())}
 
 
 def p90(values: list[float]) -> float:
@@ -192,6 +206,7 @@ def scenario(name: str, daemons: int, full: int, request: Callable[[int, int], R
     except LaunchError as exc:
         raise BenchError(f"{name}: swarm did not start: {exc}") from exc
     calls: list[dict[str, Any]] = []
+    timed_usage: dict[str, float] = {}
     try:
         _log(f"{name}: {daemons} daemons up in {swarm.workdir}")
         with Children() as kids:
@@ -202,7 +217,10 @@ def scenario(name: str, daemons: int, full: int, request: Callable[[int, int], R
             for w in workers:
                 w.recv(120.0)
             pids = [d.proc.pid for d in swarm.daemons]
+            overall = Usage(pids)
             for call in range(1 + repeat):
+                if call == 1:
+                    overall = Usage(pids)
                 replies, usage = run_call(
                     workers, [request(call, i) for i in range(daemons)], timeout, pids)
                 s = summarize_call(replies, full, usage)
@@ -211,10 +229,10 @@ def scenario(name: str, daemons: int, full: int, request: Callable[[int, int], R
                 _log(f"{name} {label}: mm {s.get('matchmaking_s', math.nan):.3f} s, call "
                      f"{s['call_s']:.3f} s, skew {1000 * s['skew_s']:.1f} ms (latest start "
                      f"{1000 * s['late_max_s']:.1f} ms late), daemon CPU "
-                     f"{s['daemon_cpu_s']:.2f} s ({s['daemon_cores']:.2f} cores, machine "
-                     f"{s['machine_cores']:.2f}), {s['udp_datagrams']} UDP datagrams, groups "
+                     f"{s['daemon_cpu_s']:.2f} s, {s['udp_datagrams']} UDP datagrams, groups "
                      f"{s.get('group_sizes')}" + (f", ERRORS {s['errors']}" if s["errors"]
                                                   else ""))
+            timed_usage = overall.stop()
             for w in workers:
                 w.send(json.dumps({"op": "quit"}))
         failed = sorted({i for c in calls for i in c["failed_peers"]})
@@ -241,11 +259,14 @@ def scenario(name: str, daemons: int, full: int, request: Callable[[int, int], R
         "call_median_s": statistics.median(whole), "call_p90_s": p90(whole),
         "skew_median_s": statistics.median(c["skew_s"] for c in timed),
         "daemon_cpu_median_s": statistics.median(c["daemon_cpu_s"] for c in timed),
-        "daemon_cores_median": statistics.median(c["daemon_cores"] for c in timed),
-        "machine_cores_median": statistics.median(c["machine_cores"] for c in timed),
-        "udp_datagrams_median": statistics.median(c["udp_datagrams"] for c in timed),
+        # CPU over the timed calls as one stretch: /proc counts 10 ms ticks, too coarse per call
+        "daemon_cores": timed_usage["daemon_cores"],
+        "machine_cores": timed_usage["machine_cores"],
+        "udp_datagrams_median": round(statistics.median(c["udp_datagrams"] for c in timed)),
         "full_groups": sum(c["full"] for c in timed),
         "failed_calls": sum(bool(c["errors"]) for c in timed),
+        # grid: peers of one call that ended in different rounds fell out of phase
+        "out_of_phase_calls": sum(len(c.get("rounds", ())) > 1 for c in timed),
         "warmup": calls[0], "calls": timed,
     }
 
@@ -260,7 +281,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             ("matchmaking_max_s", "mm max s"), ("call_median_s", "call med s"),
             ("call_p90_s", "call p90 s"), ("warmup_mm", "warm-up mm s"),
             ("skew_median_s", "skew s"), ("daemon_cpu_median_s", "daemon cpu s"),
-            ("daemon_cores_median", "daemon cores"), ("machine_cores_median", "machine cores"),
+            ("daemon_cores", "daemon cores"), ("machine_cores", "machine cores"),
             ("udp_datagrams_median", "udp dgrams"), ("full", "full groups")]
     for r in rows:
         r["warmup_mm"] = r["warmup"].get("matchmaking_s")
@@ -277,10 +298,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "mm = daemon-reported matchmaking_seconds (request to group assembled); call = the whole",
         "Client.average. Per call the slowest peer's, then median / p90 (nearest rank) over the",
         "timed repeats; the warm-up (first) call is apart. skew = spread of the peers' start",
-        "instants; daemon cpu = CPU seconds all daemons used in a call; daemon / machine cores",
-        "= daemon / all CPU time over the call's wall time (this machine has "
-        f"{os.cpu_count()} cores);",
-        "udp dgrams = UDP datagrams received on the machine during a call (DHT RPCs). Medians.",
+        "instants; daemon cpu = CPU seconds all daemons used in a call; udp dgrams = UDP",
+        "datagrams received on the machine in a call (DHT RPCs); medians over repeats. daemon /",
+        "machine cores = CPU time of the daemons / of the whole machine over the stretch of",
+        f"timed calls, over its wall time (of {os.cpu_count()} cores; the gap is workers, this",
+        "script and anything else running).",
     ):
         print(line)
     for r in rows:
@@ -289,6 +311,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                    f"median {'meets' if med <= GOAL_SECONDS else 'MISSES'}, p90 "
                    f"{'meets' if top <= GOAL_SECONDS else 'MISSES'}")
         print(f"goal mm <= {GOAL_SECONDS} s, {r['scenario']}: {verdict}")
+        if r["out_of_phase_calls"]:
+            print(f"WARNING: {r['scenario']}: in {r['out_of_phase_calls']} of {r['repeat']} "
+                  "calls the peers ended in different grid rounds")
+        short = sum(c.get("short_peers", 0) for c in r["calls"])
+        if short:
+            print(f"WARNING: {r['scenario']}: {short} peer-calls ended in a group smaller "
+                  f"than {r['group_size']}")
         if r["failed_calls"]:
             print(f"WARNING: {r['scenario']}: {r['failed_calls']} of {r['repeat']} calls had "
                   "errors (see stderr / --json)")
@@ -354,9 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.matchmaking: interrupted; workers and daemons stopped", file=sys.stderr)
         return 130
     if args.json:
-        print(json.dumps({"goal_s": GOAL_SECONDS, "rows": rows}, indent=2))
+        print(json.dumps({"goal_s": GOAL_SECONDS, "code": code_version(), "rows": rows},
+                         indent=2))
     else:
         print_table(rows)
+        code = code_version()
+        print(f"code: commit {code['commit']}, {code['dirty_files']} changed file(s) under "
+              "moshpitd/ and client/")
     return 0
 
 

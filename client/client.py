@@ -44,6 +44,7 @@ class RoundInfo:
     # the flattened tensors in request order; `members` is a bitmask of the group members whose
     # values were averaged there, 0 where the element kept its local value (a peer failed).
     spans: tuple[tuple[int, int, int], ...] = ()
+    members: tuple[str, ...] = ()  # peer ids of the group, bit i of a mask = members[i]
 
     @property
     def fully_averaged(self) -> bool:
@@ -122,7 +123,8 @@ class Client:
                 int(reply["bytes_received"]), reply.get("round"),
                 None if coords is None else tuple(coords),
                 tuple(reply.get("group_sizes", ())),
-                tuple((int(a), int(b), int(m)) for a, b, m in reply.get("spans", ())))
+                tuple((int(a), int(b), int(m)) for a, b, m in reply.get("spans", ())),
+                tuple(str(m) for m in reply.get("members", ())))
             return [v.clone().reshape(t.shape).to(t.device)
                     for v, t in zip(views, tensors, strict=True)]
 

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="HOST:PORT", help="TCP address for peers' streams (default 127.0.0.1:0)")
     p.add_argument("--data-port", type=int, default=0, metavar="PORT",
                    help="TCP port of the tensor data plane, on the gRPC host (default any)")
+    p.add_argument("--part-size", type=int, default=1 << 20, metavar="BYTES",
+                   help="bytes per streamed part (default 1 MiB; 64 KiB .. 64 MiB)")
     p.add_argument("--bandwidth", type=float, default=1.0, metavar="SHARE",
                    help="relative share of each vector this peer reduces (default 1.0)")
     p.add_argument("--client-mode", action="store_true",
@@ -86,7 +88,7 @@ async def serve(args: argparse.Namespace) -> int:
         dht_host=args.dht_listen[0], dht_port=args.dht_listen[1],
         grpc_host=args.grpc_listen[0], grpc_port=args.grpc_listen[1],
         bootstrap=tuple(args.bootstrap), data_port=args.data_port,
-        bandwidth=args.bandwidth, client_mode=args.client_mode,
+        bandwidth=args.bandwidth, client_mode=args.client_mode, part_bytes=args.part_size,
     )
     metrics = Metrics()
     node = MoshpitNode(config, metrics)
@@ -128,7 +130,12 @@ def run(coro_main: asyncio.Future[int] | object) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (1 << 12) <= args.part_size <= (64 << 20):
+        parser.error("--part-size must be between 4096 and 67108864 bytes")
+    if not (args.bandwidth > 0 and args.bandwidth < 1e12):
+        parser.error("--bandwidth must be a positive number")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("kademlia", "rpcudp"):

@@ -71,7 +71,7 @@ class DaemonProcess:
 def start_daemon(name: str, workdir: Path, bootstrap: list[str] | None = None,
                  log_level: str = "INFO", extra_args: list[str] | None = None,
                  host: str = "127.0.0.1", ready_timeout: float = 20.0,
-                 wait: bool = True) -> DaemonProcess:
+                 wait: bool = True, env: dict[str, str] | None = None) -> DaemonProcess:
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / f"{name}.ready.json"
     with contextlib.suppress(FileNotFoundError):
@@ -89,7 +89,8 @@ def start_daemon(name: str, workdir: Path, bootstrap: list[str] | None = None,
     log = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
     try:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **(env or {})})
     finally:
         log.close()
     daemon = DaemonProcess(name, workdir, proc)
@@ -118,7 +119,8 @@ class LocalSwarm:
     """N daemons on loopback, the first one the others' bootstrap; a context manager."""
 
     def __init__(self, size: int, workdir: str | Path | None = None, log_level: str = "INFO",
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None,
+                 env_by_index: dict[int, dict[str, str]] | None = None) -> None:
         self.size = size
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if workdir is None:
@@ -127,15 +129,17 @@ class LocalSwarm:
         self.workdir = Path(workdir)
         self.log_level = log_level
         self.extra_args = extra_args or []
+        self.env_by_index = env_by_index or {}
         self.daemons: list[DaemonProcess] = []
 
     def start(self) -> LocalSwarm:
         try:
             first = start_daemon("d0", self.workdir, log_level=self.log_level,
-                                 extra_args=self.extra_args)
+                                 extra_args=self.extra_args, env=self.env_by_index.get(0))
             self.daemons.append(first)
             rest = [start_daemon(f"d{i}", self.workdir, [first.dht], self.log_level,
-                                 self.extra_args, wait=False) for i in range(1, self.size)]
+                                 self.extra_args, wait=False, env=self.env_by_index.get(i))
+                    for i in range(1, self.size)]
             for d in rest:
                 wait_ready(d)
                 self.daemons.append(d)

@@ -37,6 +37,8 @@ from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE, AveragerServer, 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 1.0
+LAG_TICK = 0.1
+LAG_WARN = 0.25
 
 
 def format_hostport(host: str, port: int) -> str:
@@ -79,6 +81,7 @@ class AverageResult:
     coords: tuple[int, ...] | None
     last_round: int | None
     spans: tuple[tuple[int, int, int], ...] = ()  # of the last all-reduce: start, stop, mask
+    members: tuple[str, ...] = ()  # peer ids of the last group, in mask bit order
 
     @property
     def last(self) -> RoundRecord:
@@ -112,12 +115,14 @@ class MoshpitNode:
         self.runs: dict[str, RunDirectory] = {}
         self._active: set[str] = set()
         self._last_spans: tuple[tuple[int, int, int], ...] = ()
+        self._last_members: tuple[str, ...] = ()
         self.recent: deque[RoundRecord] = deque(maxlen=100)
         self.rounds_done = 0
         self.rounds_failed = 0
         self.dht_addr = ("", 0)
         self.grpc_endpoint = ""
         self._bootstrap_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
 
     @property
     def peer_id(self) -> bytes:
@@ -130,9 +135,19 @@ class MoshpitNode:
         self.grpc_endpoint = format_hostport(c.grpc_host, port)
         dport = await self.registry.start(c.grpc_host, c.data_port)
         self.data_endpoint = format_hostport(c.grpc_host, dport)
+        self._lag_task = asyncio.create_task(self._watch_loop_lag())
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
             self._bootstrap_task = asyncio.create_task(self._keep_bootstrapped())
+
+    async def _watch_loop_lag(self) -> None:
+        """Anything that blocks the event loop delays every peer's round: make it visible."""
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(LAG_TICK)
+            lag = time.monotonic() - before - LAG_TICK
+            if lag > LAG_WARN:
+                log.warning("event loop was blocked for %.3f s", lag)
 
     async def _keep_bootstrapped(self) -> None:
         """A daemon may start before its bootstrap peers: keep trying while alone."""
@@ -147,8 +162,9 @@ class MoshpitNode:
                 delay = 5.0
 
     async def stop(self) -> None:
-        if self._bootstrap_task is not None:
-            self._bootstrap_task.cancel()
+        for task in (self._bootstrap_task, self._lag_task):
+            if task is not None:
+                task.cancel()
         await self.registry.stop()
         await self.server.stop(0.5)
         await self.pool.close()
@@ -174,6 +190,7 @@ class MoshpitNode:
     # --- one averaging request ------------------------------------------------------------
     async def average(self, request: AverageRequest, buffer: memoryview) -> AverageResult:
         view = FlatView(buffer, request.specs)
+        view.check_finite()  # NaN or Inf is refused here, before it reaches any peer
         if request.key in self._active:
             raise DuplicateRequest(f"this daemon is already averaging under key {request.key!r}")
         self._active.add(request.key)
@@ -181,7 +198,7 @@ class MoshpitNode:
             if request.grid is None:
                 rec, _ = await self._one_round(request.key, request, view, request.weight,
                                                request.timeout, None, request.group_size)
-                return AverageResult((rec,), None, None, self._last_spans)
+                return AverageResult((rec,), None, None, self._last_spans, self._last_members)
             return await self._grid_rounds(request, view)
         finally:
             self._active.discard(request.key)
@@ -224,7 +241,7 @@ class MoshpitNode:
             weight = carried_weight(group_weight, members)
         assert run.coords is not None
         return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0],
-                             self._last_spans)
+                             self._last_spans, self._last_members)
 
     async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
                          timeout: float, expected: frozenset[bytes] | None, target: int,
@@ -245,7 +262,7 @@ class MoshpitNode:
         try:
             group = await mm.find_group(attempt if single_attempt else timeout)
         except NoPartners:
-            self._last_spans = ()
+            self._last_spans, self._last_members = (), ()
             self._record(key, 1, 0, 0, start, time.monotonic(), "alone")
             raise
         except BaseException:
@@ -264,6 +281,7 @@ class MoshpitNode:
                                  "there is no weighted mean")
         result = await self._allreduce(group, view, final)
         self._last_spans = result.spans
+        self._last_members = tuple(m.peer_id.hex() for m in group.members)
         outcome = "ok" if result.parts_averaged == result.parts else "partial"
         rec = self._record(key, result.group_size, result.bytes_sent, result.bytes_received,
                            start, assembled, outcome)

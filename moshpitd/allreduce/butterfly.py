@@ -107,7 +107,10 @@ class _SenderSlot:
             payload = self.rnd.result_payload(index) if mask else b""
             if self.rnd.fault.stall_reduce():
                 await asyncio.sleep(STALL_SECONDS)
-            await self.channel.send(RESULT, index, payload, aux=mask)
+            try:
+                await self.channel.send(RESULT, index, payload, aux=mask)
+            except DataPlaneError:
+                return  # the sender is gone; its link will report that on its side
 
 
 class _OwnerLink:
@@ -155,8 +158,10 @@ class _OwnerLink:
             self.done.set()
 
     def on_close(self, exc: BaseException | None) -> None:
-        if self.waiting:
+        if self.waiting and self.failure is None:
             self.fail(f"stream closed ({exc or 'EOF'})")
+            # Closed without a word: its daemon is gone, so stop waiting for its parts too.
+            self.rnd.exclude(self.owner, "its connection dropped")
 
     def fail(self, why: str) -> None:
         if self.failure is None and self.waiting:
@@ -215,9 +220,8 @@ class ButterflyRound:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                     await self._own_done.wait()
             except TimeoutError:
-                for sender in range(len(self.group.members)):
-                    if sender != self.me:
-                        self.exclude(sender, "silent past the round's deadline")
+                for sender in self._incomplete_senders():
+                    self.exclude(sender, "silent past the round's deadline")
             waits = [link.done.wait() for link in links]
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(deadline + grace - time.monotonic(), 0)):
@@ -252,7 +256,16 @@ class ButterflyRound:
                 await self.fault.during_send(i)
                 await channel.send(PART, p.index, self.codec.encode(self.view.read(p)))
             await link.done.wait()
-        except (OSError, DataPlaneError, TimeoutError) as exc:
+        except ConnectionRefusedError as exc:
+            # nobody listens there: it died, so do not wait for its parts either
+            link.fail(f"cannot connect: {exc!r}")
+            self.exclude(link.owner, "its data plane refuses connections")
+        except (OSError, DataPlaneError) as exc:
+            silent = link.failure is None  # no ABORT came: it died or broke the protocol
+            link.fail(f"cannot stream to it: {exc!r}")
+            if silent:
+                self.exclude(link.owner, f"its stream failed: {exc!r}")
+        except TimeoutError as exc:
             link.fail(f"cannot stream to it: {exc!r}")
 
     async def _drain_writers(self) -> None:
@@ -308,6 +321,14 @@ class ButterflyRound:
                 slot.outbox.put_nowait(index)
         if not self._pending_own:
             self._own_done.set()
+
+    def _incomplete_senders(self) -> list[int]:
+        """Senders some of our parts still wait for."""
+        waiting = 0
+        for p in self.my_parts:
+            if not self.reducer.is_final(p.index):
+                waiting |= self.reducer.missing(p.index)
+        return [s for s in range(len(self.group.members)) if waiting >> s & 1]
 
     def result_payload(self, index: int) -> memoryview:
         payload = self._payloads.get(index)

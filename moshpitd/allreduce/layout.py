@@ -9,6 +9,7 @@ same schema: nothing about the cut is negotiated.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -171,6 +172,11 @@ class FlatView:
             arr, lo, hi = pieces[0]
             return arr[lo:hi]
         return np.concatenate([arr[lo:hi] for arr, lo, hi in pieces])
+
+    def check_finite(self) -> None:
+        for i, arr in enumerate(self._arrays):
+            if arr.size and not math.isfinite(float(arr.sum())) and not np.isfinite(arr).all():
+                raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
 
     def region(self, part: Part) -> memoryview | None:
         """The part's bytes in the buffer when it lies in one tensor (for recv_into)."""

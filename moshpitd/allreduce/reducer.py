@@ -10,6 +10,7 @@ float32 and float16 parts accumulate in float32 (as gloo does), float64 in float
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class PartReducer:
         self.excluded = 0  # bitmask of excluded senders
         self._slots = {p.index: _Slot(p, np.dtype(dtypes[p.run])) for p in parts}
         self._results: dict[int, np.ndarray] = {}
+        self._scratch: np.ndarray | None = None
 
     def add(self, part_index: int, sender: int, weight: float, values: np.ndarray) -> bool:
         """Adds one sender's part; True when the part became final with it."""
@@ -52,13 +54,21 @@ class PartReducer:
             raise ReductionError(
                 f"part {part_index}: {values.size} elements, expected {slot.part.numel}"
             )
-        if not np.isfinite(values).all():
+        # One pass with no temporary: a NaN or Inf makes the sum non-finite (so does overflow
+        # of a huge but finite sum, which the exact check below then lets through).
+        if not math.isfinite(float(values.sum())) and not np.isfinite(values).all():
             raise ReductionError(f"sender {sender} sent non-finite values in part {part_index}")
         acc_dtype = np.float64 if slot.dtype == np.float64 else np.float32
         if slot.acc is None:
             slot.acc = np.multiply(values, weight, dtype=acc_dtype)
+        elif weight == 1.0:
+            np.add(slot.acc, values, out=slot.acc)
         else:
-            slot.acc += np.multiply(values, weight, dtype=acc_dtype)
+            if self._scratch is None or self._scratch.size < values.size or \
+                    self._scratch.dtype != acc_dtype:
+                self._scratch = np.empty(max(values.size, slot.part.numel), dtype=acc_dtype)
+            scaled = np.multiply(values, weight, out=self._scratch[:values.size], dtype=acc_dtype)
+            np.add(slot.acc, scaled, out=slot.acc)
         slot.weight += weight
         slot.mask |= bit
         return self.is_final(part_index)
@@ -75,6 +85,11 @@ class PartReducer:
     def is_final(self, part_index: int) -> bool:
         waiting = ((1 << self.expected) - 1) & ~self.excluded
         return self._slots[part_index].mask & waiting == waiting
+
+    def missing(self, part_index: int) -> int:
+        """Bitmask of the senders still in the round that have not delivered the part."""
+        waiting = ((1 << self.expected) - 1) & ~self.excluded
+        return waiting & ~self._slots[part_index].mask
 
     def mask(self, part_index: int) -> int:
         """Senders averaged into the part's result; 0 when there is no average."""

@@ -7,7 +7,9 @@ import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kademlia.crawling import NodeSpiderCrawl
 from kademlia.network import Server
@@ -18,6 +20,11 @@ from moshpitd.dht.protocol import SubkeyProtocol
 from moshpitd.dht.storage import SubkeyStorage
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+NEAREST_CACHE_SECONDS = 10.0
+STRAGGLER_MIN_WAIT = 0.05
+_BACKGROUND: set[asyncio.Future[Any]] = set()
 
 
 @dataclass(frozen=True)
@@ -99,20 +106,46 @@ class DHTNode(Server):
         return self._last_version
 
     async def _nearest(self, dkey: bytes) -> list[Node]:
+        """The k nodes closest to a key. A swarm smaller than k is wholly in our routing table,
+        so no crawl is needed; otherwise crawl, and reuse the answer for a while."""
+        router = self.protocol.router
+        node = Node(dkey)
+        if self.peer_count() < self.ksize:
+            return list(router.find_neighbors(node))
         cached = self._nearest_cache.get(dkey)
         now = time.monotonic()
         if cached is not None and cached[0] > now:
-            return cached[1]
-        node = Node(dkey)
-        nearest = self.protocol.router.find_neighbors(node)
+            return [n for n in cached[1] if not router.is_new_node(n)]  # drop the unreachable
+        nearest = router.find_neighbors(node)
         if not nearest:
             return []
         spider = NodeSpiderCrawl(self.protocol, node, nearest, self.ksize, self.alpha)
         found: list[Node] = await spider.find()
-        self._nearest_cache[dkey] = (now + 2.0, found)
+        self._nearest_cache[dkey] = (now + NEAREST_CACHE_SECONDS, found)
         if len(self._nearest_cache) > 1024:
             self._nearest_cache.clear()
         return found
+
+    async def _quorum(self, calls: list[Awaitable[T]]) -> list[T | None]:
+        """Answers of the calls that came back in time. Once half have answered, stragglers get
+        a short extra wait, not the full RPC timeout: a dead node must not stall matchmaking.
+        Calls still running keep going in the background (their failure prunes the node)."""
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        if not tasks:
+            return []
+        start = time.monotonic()
+        pending = set(tasks)
+        need = (len(tasks) + 1) // 2
+        while pending and len(tasks) - len(pending) < need:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if pending:
+            extra = STRAGGLER_MIN_WAIT + 2 * (time.monotonic() - start)
+            _, pending = await asyncio.wait(pending, timeout=extra)
+        for t in pending:
+            _BACKGROUND.add(t)
+            t.add_done_callback(_BACKGROUND.discard)
+        return [t.result() if t.done() and not t.cancelled() and t.exception() is None
+                else None for t in tasks]
 
     async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float,
                         version: int | None = None) -> int:
@@ -121,12 +154,10 @@ class DHTNode(Server):
         version = self.next_version() if version is None else version
         stored = int(self.storage.store_sub(dkey, subkey, value, version, ttl))
         nodes = await self._nearest(dkey)
-        results = await asyncio.gather(
-            *(self.protocol.call_store_sub(n, dkey, subkey, value, version, ttl) for n in nodes)
+        results = await self._quorum(
+            [self.protocol.call_store_sub(n, dkey, subkey, value, version, ttl) for n in nodes]
         )
-        if nodes and not any(results):
-            self._nearest_cache.pop(dkey, None)
-        return stored + sum(results)
+        return stored + sum(1 for r in results if r)
 
     async def withdraw_sub(self, key: str, subkey: bytes, ttl: float = 30.0) -> int:
         """Replace our record by a tombstone that outranks it on every replica."""
@@ -148,7 +179,7 @@ class DHTNode(Server):
         for sk, (value, version, ttl) in self.storage.get_subs(dkey).items():
             merge(sk, value, version, ttl)
         nodes = await self._nearest(dkey)
-        answers = await asyncio.gather(*(self.protocol.call_find_subs(n, dkey) for n in nodes))
+        answers = await self._quorum([self.protocol.call_find_subs(n, dkey) for n in nodes])
         for answer in answers:
             for row in answer or []:
                 if isinstance(row, list) and len(row) == 4:

@@ -213,7 +213,8 @@ class Session:
                      "bytes_received": sum(r.bytes_received for r in result.rounds),
                      "round": result.last_round, "coords": result.coords,
                      "group_sizes": [max(r.group_size, 1) for r in result.rounds],
-                     "spans": [list(span) for span in result.spans]}
+                     "spans": [list(span) for span in result.spans],
+                     "members": list(result.members)}
             self.node.metrics.ipc_requests.labels("average", "ok").inc()
         except (MatchmakingError, AllreduceError, LayoutError, ValueError) as exc:
             self.node.metrics.ipc_requests.labels("average", "error").inc()

@@ -36,6 +36,7 @@ from moshpitd.transport.grpc_server import ChannelPool
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+_BACKGROUND: set[asyncio.Task[None]] = set()  # withdrawals in flight, owned until done
 MIN_POLL = 0.02
 MAX_POLL = 0.5
 
@@ -66,6 +67,7 @@ class LineStatus:
 
 LineWatcher = Callable[[], Awaitable[LineStatus]]
 LONELY_GRACE = 0.2
+RETRY_ASK = 0.25  # how soon to ask a leader again that turned us away
 SETTLE_SECONDS = 0.5  # without a grid: how long a complete-looking group must stay unchanged
 
 
@@ -121,14 +123,15 @@ class Matchmaker:
             self._deadline = min(time.monotonic() + self.req.attempt_seconds, final)
             ttl = self._deadline - time.monotonic()
             self._version = self.dht.next_version()
+            # accept before anyone can read the declaration, or early askers get NOT_LOOKING
+            self.accepting = not self.req.client_mode
             await self.dht.store_sub(self.req.key, self.me.peer_id, self.declaration.pack(), ttl,
                                      version=self._version)
-            self.accepting = not self.req.client_mode
             try:
                 group = await self._attempt(final)
             finally:
                 self.accepting = False
-                await self._withdraw()
+                self._start_withdraw()
             if group is not None:
                 return group
             if self._seen_mismatch and not self._seen_match:
@@ -143,6 +146,12 @@ class Matchmaker:
             f"seen)"
         )
 
+    def _start_withdraw(self) -> None:
+        """In the background: a dead DHT node must not delay the round that follows."""
+        task = asyncio.ensure_future(self._withdraw())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
     async def _withdraw(self) -> None:
         try:
             await self.dht.withdraw_sub(self.req.key, self.me.peer_id)
@@ -150,7 +159,7 @@ class Matchmaker:
             log.debug("withdraw failed: %r", exc)
 
     async def _attempt(self, final: float) -> Group | None:
-        tried: set[bytes] = set()
+        tried: dict[bytes, float] = {}  # candidate -> when we may ask it again
         poll = MIN_POLL
         while True:
             if self.assembled.done():
@@ -174,11 +183,12 @@ class Matchmaker:
                       len(candidates), len(self.followers),
                       sum(c.rank < my_rank for c in candidates))
             for cand in sorted(candidates, key=lambda c: c.rank):
-                if cand.rank >= my_rank or cand.peer_id in tried:
+                if cand.rank >= my_rank or tried.get(cand.peer_id, 0.0) > time.monotonic():
                     continue
                 if cand.declaration.client_mode:
                     continue
-                tried.add(cand.peer_id)
+                # a refusal may be momentary (it was between attempts): ask again later
+                tried[cand.peer_id] = time.monotonic() + RETRY_ASK
                 group = await self._follow(cand, final)
                 if group is not None:
                     return group
