@@ -123,6 +123,29 @@ def catch_up(own_round: int, declared: Iterable[int]) -> int:
     return max([own_round, *declared])
 
 
+def plan_round(grid: Grid, own_round: int, coords: Coords,
+               peers: Iterable[tuple[Coords, int]]) -> int:
+    """The round to average in next: catch up over rounds that are over for us, never more.
+
+    A round r is over for us when every line-mate of round r has declared a later round (the
+    group formed without us), or when we have no line-mate in r while someone is already past
+    it. Jumping straight to the swarm's latest round instead would make a peer that is a few
+    milliseconds late skip a round its line-mates are waiting for, and knock the grid out of
+    phase (d rounds would no longer give the exact mean)."""
+    rounds = [(c, r) for c, r in peers]
+    if not rounds:
+        return own_round
+    r = max(own_round, min(pr for _, pr in rounds))
+    top = max(pr for _, pr in rounds)
+    while r < top:
+        line = grid.line(r, coords)
+        mates = [pr for c, pr in rounds if grid.line(r, c) == line]
+        if mates and not all(pr > r for pr in mates):
+            break
+        r += 1
+    return r
+
+
 def carried_weight(group_weight: float, members: int) -> float:
     """Mass carried into the next round of a multi-round call: the group's total weight split
     evenly, so the sum of weights (and the weighted mean) is conserved."""

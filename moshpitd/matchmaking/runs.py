@@ -20,7 +20,7 @@ import msgpack
 
 from moshpitd.dht.network import DHTNode
 from moshpitd.matchmaking.errors import MatchmakingError
-from moshpitd.matchmaking.grid import Coords, Grid, catch_up, choose_coords
+from moshpitd.matchmaking.grid import Coords, Grid, choose_coords, plan_round
 from moshpitd.matchmaking.matchmaker import LineStatus, LineWatcher
 
 ENTRY_TTL = 60.0
@@ -126,9 +126,12 @@ class RunDirectory:
                 f"run {self.run!r}: this daemon already sits at {self.coords}; coordinates are "
                 "fixed for a run"
             )
-        self.round = catch_up(self.round, (e.round for e in peers.values()))
-        await self.declare()
         assert self.coords is not None
+        # a peer still choosing its cell may land on our line: count it as a line-mate
+        self.round = plan_round(self.grid, self.round, self.coords,
+                                [(self.coords if e.joining else e.coords, e.round)
+                                 for e in peers.values()])
+        await self.declare()
         return RoundPlan(self.round, self.grid.group_key(self.run, self.round, self.coords),
                          self._line_status(peers, self.round).expected)
 
@@ -174,7 +177,6 @@ class RunDirectory:
         if initial_coords is not None:
             return peers
         for _ in range(MAX_MOVES):
-            self.round = catch_up(self.round, (e.round for e in peers.values()))
             await self.declare(joining=True)
             await asyncio.sleep(SETTLE_INTERVAL)
             peers = await self.peers()

@@ -337,3 +337,48 @@ def test_carried_weight_splits_group_weight(weight: float, n: int) -> None:
     assert share >= 0 and math.isclose(share * n, weight, rel_tol=1e-12, abs_tol=1e-300)
     with pytest.raises(GridError):
         carried_weight(weight, 0)
+
+
+# --- plan_round: catching up without knocking the grid out of phase -------------------------
+
+def test_plan_round_waits_for_line_mates_still_in_the_round() -> None:
+    from moshpitd.matchmaking.grid import plan_round
+
+    grid = Grid(4, 2)
+    me = (0, 0)
+    # round 0 averages along axis 0: line-mates share coordinate 1 (here 0)
+    peers = [((1, 0), 0), ((2, 0), 1), ((0, 3), 1)]
+    assert plan_round(grid, 0, me, peers) == 0  # (1, 0) has not done round 0 yet
+    peers = [((1, 0), 1), ((2, 0), 1), ((0, 3), 1)]
+    assert plan_round(grid, 0, me, peers) == 1  # my line did round 0 without me
+
+
+def test_plan_round_joiner_jumps_to_the_swarm_and_never_beyond() -> None:
+    from moshpitd.matchmaking.grid import plan_round
+
+    grid = Grid(2, 2)
+    peers = [((0, 1), 57), ((1, 0), 57), ((1, 1), 57)]
+    assert plan_round(grid, 0, (0, 0), peers) == 57
+    assert plan_round(grid, 60, (0, 0), peers) == 60  # never backwards
+    assert plan_round(grid, 3, (0, 0), []) == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(m=st.integers(2, 4), d=st.integers(1, 3), own=st.integers(0, 8),
+       data=st.data())
+def test_plan_round_properties(m: int, d: int, own: int, data: st.DataObject) -> None:
+    from moshpitd.matchmaking.grid import plan_round
+
+    grid = Grid(m, d)
+    cells = st.tuples(*[st.integers(0, m - 1)] * d)
+    me = data.draw(cells)
+    peers = data.draw(st.lists(st.tuples(cells, st.integers(0, 10)), max_size=12))
+    r = plan_round(grid, own, me, peers)
+    assert r >= own
+    if peers:
+        assert r >= min(pr for _, pr in peers)
+        assert r <= max(own, max(pr for _, pr in peers))
+        # at the chosen round, unless everyone is past it, some line-mate is still there
+        mates = [pr for c, pr in peers if grid.line(r, c) == grid.line(r, me)]
+        if r < max(pr for _, pr in peers) and r > own:
+            assert mates and not all(pr > r for pr in mates)
