@@ -18,7 +18,7 @@ from bench.procs import BenchError
 from bench.runners import Samples, run_gloo, run_moshpit
 
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-CODECS = ("none",)
+CODECS = ("none", "fp16", "bf16", "int8")
 
 
 def parse_elems(text: str) -> int:
@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 elements; K/M/G suffixes are binary, M = 1024*1024 "
                         "(default 8M = 8388608)")
     p.add_argument("--codec", default="none",
-                   help="wire codec for moshpit; only 'none' is supported for now")
+                   help="wire codec for moshpit: none, fp16, bf16, int8 (default none)")
+    p.add_argument("--ipc", choices=["shared", "copy"], default="shared",
+                   help="shared: tensors live in memory the daemon maps (no copies); copy: "
+                        "plain tensors, copied into and out of the shared buffer per call")
     p.add_argument("--repeat", type=positive, default=5,
                    help="timed repeats after one warm-up (default 5)")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.codec not in CODECS:
-        parser.error(f"--codec {args.codec!r} is not supported yet; supported: "
+        parser.error(f"--codec {args.codec!r} is not supported; supported: "
                      f"{', '.join(CODECS)}")
     if args.skip_gloo and args.skip_moshpit:
         parser.error("--skip-gloo and --skip-moshpit together leave nothing to run")
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_moshpit:
             rows.append(summarize(run_moshpit(args.peers, args.elems, args.repeat,
                                               args.timeout, args.workdir,
-                                              args.daemon_log_level, args.min_group_size),
+                                              args.daemon_log_level, args.min_group_size,
+                                              args.codec, args.ipc),
                                   args.peers, args.elems))
         if not args.skip_gloo:
             rows.append(summarize(run_gloo(args.peers, args.elems, args.repeat, args.timeout),
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
              if {"moshpit", "gloo"} <= medians.keys() and medians["gloo"] > 0 else None)
     if args.json:
         print(json.dumps({"peers": args.peers, "elems": args.elems, "codec": args.codec,
-                          "min_group_size": args.min_group_size,
+                          "ipc": args.ipc, "min_group_size": args.min_group_size,
                           "repeat": args.repeat, "rows": rows, "ratio": ratio}, indent=2))
     else:
         print_table(rows, ratio)

@@ -29,12 +29,16 @@ def main() -> int:
     p.add_argument("--elems", type=int, required=True)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--min-group-size", type=int, default=2)
+    p.add_argument("--ipc", choices=["shared", "copy"], default="shared")
+    p.add_argument("--codec", default="none")
     args = p.parse_args()
     torch.set_num_threads(1)
     # Rank r contributes r everywhere, so every element of the average is (P - 1) / 2.
     tensor = torch.full((args.elems,), float(args.rank), dtype=torch.float32)
     expected = (args.peers - 1) / 2
     with moshpit.Client(args.socket) as client:
+        if args.ipc == "shared":  # the tensor lives in memory the daemon maps: no copies
+            (tensor,) = client.share([tensor])
         emit({"ready": True, "peer_id": client.peer_id})
         for line in sys.stdin:
             cmd, _, key = line.strip().partition(" ")
@@ -47,7 +51,8 @@ def main() -> int:
                 start = time.perf_counter()
                 (out,) = client.average([tensor], key=key, weight=1.0, timeout=args.timeout,
                                         group_size=args.peers,
-                                        min_group_size=args.min_group_size)
+                                        min_group_size=args.min_group_size,
+                                        codec=args.codec)
                 seconds = time.perf_counter() - start
             except moshpit.MoshpitError as exc:
                 emit({"error": str(exc)})  # the daemon's error name is already in it

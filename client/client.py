@@ -7,6 +7,7 @@ The buffer is sealed against shrinking (the daemon insists), grown by attaching 
 from __future__ import annotations
 
 import array
+import ctypes
 import fcntl
 import mmap
 import os
@@ -66,6 +67,21 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[list[Any]], int]:
     return specs, max(offset, 1)
 
 
+def _address(buf: mmap.mmap) -> int:
+    """Where a mapping starts in memory (to tell whether a tensor lies inside it)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _round_info(reply: dict[str, Any]) -> RoundInfo:
+    coords = reply.get("coords")
+    return RoundInfo(
+        int(reply["group_size"]), float(reply["seconds"]), float(reply["matchmaking_seconds"]),
+        int(reply["bytes_sent"]), int(reply["bytes_received"]), reply.get("round"),
+        None if coords is None else tuple(coords), tuple(reply.get("group_sizes", ())),
+        tuple((int(a), int(b), int(m)) for a, b, m in reply.get("spans", ())),
+        tuple(str(m) for m in reply.get("members", ())))
+
+
 class Client:
     """One connection to a daemon. Thread-safe: requests are serialised."""
 
@@ -81,6 +97,7 @@ class Client:
             raise DaemonUnavailable(f"cannot connect to moshpitd at {socket_path}: {exc}") from exc
         self._mmap: mmap.mmap | None = None
         self._size = 0
+        self._shared: list[tuple[int, int, int, mmap.mmap]] = []  # id, address, size, map
         self._next_id = 0
         self.last_round: RoundInfo | None = None
         hello = self._request({"op": "hello"}, timeout=connect_timeout)
@@ -98,35 +115,52 @@ class Client:
         round's line of the grid (groups of up to M), and `rounds=k` chains k rounds, carrying
         weights as mass, so d rounds on a full grid give the exact weighted global mean.
         `codec` (none, fp16, bf16, int8) compresses parts on the wire; peers must agree.
-        Returns new tensors (same shapes, dtypes, devices); the inputs are left untouched."""
+        Returns new tensors (same shapes, dtypes, devices) and leaves the inputs untouched,
+        except for tensors made by `share()`: those are averaged in place and returned."""
         tensors = list(tensors)
-        specs, size = _layout(tensors)
         with self._lock:
-            self._ensure_buffer(size)
-            views = self._views(specs)
-            for view, t in zip(views, tensors, strict=True):
-                view.copy_(t.detach().reshape(-1))
+            shared = self._shared_layout(tensors)
+            if shared is not None:  # tensors from share(): averaged where they lie
+                bid, specs = shared
+                views = tensors
+            else:
+                specs, size = _layout(tensors)
+                bid = 0
+                self._ensure_buffer(size)
+                views = self._views(self._mmap, specs)
+                for view, t in zip(views, tensors, strict=True):
+                    view.copy_(t.detach().reshape(-1))
             reply = self._request({
                 "op": "average", "key": key, "tensors": specs, "weight": float(weight),
                 "timeout": float(timeout), "group_size": int(group_size),
                 "min_group_size": int(min_group_size),
                 "grid": None if grid is None else [int(grid[0]), int(grid[1])],
-                "rounds": int(rounds),
-                "codec": str(codec),
+                "rounds": int(rounds), "codec": str(codec), "buffer": bid,
                 "initial_coords": None if initial_coords is None else [int(c) for c in
                                                                        initial_coords],
             }, timeout=timeout + 10.0)
-            coords = reply.get("coords")
-            self.last_round = RoundInfo(
-                int(reply["group_size"]), float(reply["seconds"]),
-                float(reply["matchmaking_seconds"]), int(reply["bytes_sent"]),
-                int(reply["bytes_received"]), reply.get("round"),
-                None if coords is None else tuple(coords),
-                tuple(reply.get("group_sizes", ())),
-                tuple((int(a), int(b), int(m)) for a, b, m in reply.get("spans", ())),
-                tuple(str(m) for m in reply.get("members", ())))
+            self.last_round = _round_info(reply)
+            if shared is not None:
+                return tensors
             return [v.clone().reshape(t.shape).to(t.device)
                     for v, t in zip(views, tensors, strict=True)]
+
+    def share(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `tensors` that live in memory shared with the daemon.
+
+        `average` averages such tensors in place, with no copy on either side: keep a
+        model's parameters in them (`p.data = shared`) to hand a round over for free."""
+        tensors = list(tensors)
+        specs, size = _layout(tensors)
+        with self._lock:
+            bid = len(self._shared) + 1
+            buf = self._attach(bid, size)
+            views = self._views(buf, specs)
+            for view, t in zip(views, tensors, strict=True):
+                view.copy_(t.detach().reshape(-1))
+            base = _address(buf)
+            self._shared.append((bid, base, len(buf), buf))
+        return [v.reshape(t.shape) for v, t in zip(views, tensors, strict=True)]
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -139,6 +173,7 @@ class Client:
     def close(self) -> None:
         self._sock.close()
         self._mmap = None
+        self._shared.clear()
 
     def __enter__(self) -> Client:
         return self
@@ -147,29 +182,52 @@ class Client:
         self.close()
 
     # --- internals ------------------------------------------------------------------------
-    def _views(self, specs: list[list[Any]]) -> list[torch.Tensor]:
-        assert self._mmap is not None
+    @staticmethod
+    def _views(buf: mmap.mmap | None, specs: list[list[Any]]) -> list[torch.Tensor]:
+        assert buf is not None
         out = []
         for dtype, shape, offset in specs:
             count = int(np.prod(shape)) if shape else 1
-            arr = np.frombuffer(self._mmap, dtype=dtype, count=count, offset=offset)
+            arr = np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
             out.append(torch.from_numpy(arr))
         return out
+
+    def _shared_layout(self, tensors: list[torch.Tensor]) -> tuple[int, list[list[Any]]] | None:
+        """(buffer id, specs) when every tensor lies in one buffer made by share()."""
+        for bid, base, size, _ in self._shared:
+            specs = []
+            for t in tensors:
+                dtype = _DTYPES.get(t.dtype)
+                offset = t.data_ptr() - base
+                if (dtype is None or t.device.type != "cpu" or not t.is_contiguous()
+                        or not 0 <= offset <= size - t.numel() * t.element_size()):
+                    break
+                specs.append([dtype, list(t.shape), offset])
+            else:
+                if tensors:
+                    return bid, specs
+        return None
 
     def _ensure_buffer(self, size: int) -> None:
         if self._mmap is not None and self._size >= size:
             return
-        size = max(size, 2 * self._size, mmap.PAGESIZE)
+        size = max(size, 2 * self._size)
+        self._mmap = self._attach(0, size)  # the old mapping goes when its views do
+        self._size = len(self._mmap)
+
+    def _attach(self, bid: int, size: int) -> mmap.mmap:
+        """A new memfd, sealed against shrinking (the daemon insists), mapped by both sides."""
+        size = max(size, mmap.PAGESIZE)
         size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
         fd = os.memfd_create("moshpit", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             buf = mmap.mmap(fd, size)
-            self._request({"op": "attach", "size": size}, timeout=10.0, fd=fd)
+            self._request({"op": "attach", "size": size, "buffer": bid}, timeout=10.0, fd=fd)
         finally:
             os.close(fd)
-        self._mmap, self._size = buf, size  # the old mapping goes when its views do
+        return buf
 
     def _request(self, msg: dict[str, Any], timeout: float,
                  fd: int | None = None) -> dict[str, Any]:

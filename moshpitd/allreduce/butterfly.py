@@ -269,8 +269,13 @@ class ButterflyRound:
             link.fail(f"cannot stream to it: {exc!r}")
 
     async def _drain_writers(self) -> None:
+        """Until every result went out: the transports may still hold views of them."""
         for slot in self.slots.values():
-            while not slot.outbox.empty():
+            transport = slot.channel.transport
+            while not slot.outbox.empty() or (
+                transport is not None and not transport.is_closing()
+                and transport.get_write_buffer_size() > 0
+            ):
                 await asyncio.sleep(0.001)
 
     # --- the reducer side ---------------------------------------------------------------
@@ -295,7 +300,7 @@ class ButterflyRound:
         w = self.group.members[sender].weight if weight is None else weight
         if sender != self.me:
             self.fault.while_reducing()
-        if self.reducer.add(part.index, sender, w, values):
+        if self.reducer.add(part.index, sender, w, values, trusted=sender == self.me):
             self._finalise(part.index)
 
     def exclude(self, sender: int, why: str) -> None:

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 MAX_BUFFER = 16 << 30
 MAX_SESSIONS = 64
 MAX_INFLIGHT = 8
+MAX_BUFFERS = 64
 
 
 class RequestError(Exception):
@@ -62,7 +63,7 @@ class Session:
         self.node = server.node
         self.conn = conn
         self.number = number
-        self.buffer: SharedBuffer | None = None
+        self.buffers: dict[int, SharedBuffer] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._retired: list[SharedBuffer] = []
 
@@ -88,10 +89,9 @@ class Session:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for buf in [self.buffer, *self._retired]:
-            if buf is not None:
-                buf.close()
-        self.buffer = None
+        for buf in [*self.buffers.values(), *self._retired]:
+            buf.close()
+        self.buffers.clear()
         self.conn.close()
 
     async def dispatch(self, msg: dict[str, Any]) -> None:
@@ -138,11 +138,19 @@ class Session:
             raise
         if fd is None:
             raise RequestError("attach needs a memfd passed with SCM_RIGHTS in the same message")
+        try:
+            bid = _field(msg, "buffer", int, 0)
+            if not 0 <= bid < MAX_BUFFERS:
+                raise RequestError(f"buffer id must be in 0..{MAX_BUFFERS - 1}")
+        except RequestError:
+            os.close(fd)
+            raise
         new = SharedBuffer(fd, size, MAX_BUFFER)
-        if self.buffer is not None:
-            self._retired.append(self.buffer)  # requests in flight may still use it
-        self.buffer = new
-        return {"size": size}
+        old = self.buffers.get(bid)
+        if old is not None:
+            self._retired.append(old)  # requests in flight may still use it
+        self.buffers[bid] = new
+        return {"size": size, "buffer": bid}
 
     def _start_average(self, msg: dict[str, Any], rid: Any) -> None:
         if len(self.tasks) >= MAX_INFLIGHT:
@@ -163,8 +171,10 @@ class Session:
             raise RequestError("timeout must be in (0, 3600] seconds")
         if not 1 <= min_group <= group_size <= 1024:
             raise RequestError("need 1 <= min_group_size <= group_size <= 1024")
-        if self.buffer is None:
-            raise RequestError("no shared buffer attached: send 'attach' with a memfd first")
+        bid = _field(msg, "buffer", int, 0)
+        if bid not in self.buffers:
+            raise RequestError(f"no shared buffer {bid} attached: send 'attach' with a memfd "
+                               "first")
         specs = specs_from_wire(tensors)
         grid_field = _field(msg, "grid", (list, type(None)))
         grid = None
@@ -197,7 +207,7 @@ class Session:
             raise RequestError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
         request = AverageRequest(key, specs, weight, timeout, group_size, min_group, grid,
                                  rounds, coords, codec)
-        buffer = self.buffer
+        buffer = self.buffers[bid]
         task = asyncio.create_task(self._average(request, buffer, rid))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
