@@ -46,6 +46,7 @@ class RoundInfo:
     # values were averaged there, 0 where the element kept its local value (a peer failed).
     spans: tuple[tuple[int, int, int], ...] = ()
     members: tuple[str, ...] = ()  # peer ids of the group, bit i of a mask = members[i]
+    owned: int = 0  # elements this peer reduced for its group (0 in client mode)
 
     @property
     def fully_averaged(self) -> bool:
@@ -79,7 +80,7 @@ def _round_info(reply: dict[str, Any]) -> RoundInfo:
         int(reply["bytes_sent"]), int(reply["bytes_received"]), reply.get("round"),
         None if coords is None else tuple(coords), tuple(reply.get("group_sizes", ())),
         tuple((int(a), int(b), int(m)) for a, b, m in reply.get("spans", ())),
-        tuple(str(m) for m in reply.get("members", ())))
+        tuple(str(m) for m in reply.get("members", ())), int(reply.get("owned", 0)))
 
 
 class Client:

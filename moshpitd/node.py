@@ -82,6 +82,7 @@ class AverageResult:
     last_round: int | None
     spans: tuple[tuple[int, int, int], ...] = ()  # of the last all-reduce: start, stop, mask
     members: tuple[str, ...] = ()  # peer ids of the last group, in mask bit order
+    owned: int = 0  # elements this peer reduced in the last all-reduce
 
     @property
     def last(self) -> RoundRecord:
@@ -116,6 +117,7 @@ class MoshpitNode:
         self._active: set[str] = set()
         self._last_spans: tuple[tuple[int, int, int], ...] = ()
         self._last_members: tuple[str, ...] = ()
+        self._last_owned = 0
         self.recent: deque[RoundRecord] = deque(maxlen=100)
         self.rounds_done = 0
         self.rounds_failed = 0
@@ -198,7 +200,8 @@ class MoshpitNode:
             if request.grid is None:
                 rec, _ = await self._one_round(request.key, request, view, request.weight,
                                                request.timeout, None, request.group_size)
-                return AverageResult((rec,), None, None, self._last_spans, self._last_members)
+                return AverageResult((rec,), None, None, self._last_spans, self._last_members,
+                                     self._last_owned)
             return await self._grid_rounds(request, view)
         finally:
             self._active.discard(request.key)
@@ -241,7 +244,7 @@ class MoshpitNode:
             weight = carried_weight(group_weight, members)
         assert run.coords is not None
         return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0],
-                             self._last_spans, self._last_members)
+                             self._last_spans, self._last_members, self._last_owned)
 
     async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
                          timeout: float, expected: frozenset[bytes] | None, target: int,
@@ -251,7 +254,7 @@ class MoshpitNode:
         final = start + timeout
         attempt = min(self.config.matchmaking_seconds, timeout)
         match = MatchRequest(
-            key=key, schema_hash=schema_hash(request.specs), weight=weight,
+            key=key, schema_hash=schema_hash(request.specs, request.codec), weight=weight,
             target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, expected=expected, codec=request.codec,
             client_mode=self.config.client_mode,
@@ -282,6 +285,7 @@ class MoshpitNode:
         result = await self._allreduce(group, view, final)
         self._last_spans = result.spans
         self._last_members = tuple(m.peer_id.hex() for m in group.members)
+        self._last_owned = result.owned
         outcome = "ok" if result.parts_averaged == result.parts else "partial"
         rec = self._record(key, result.group_size, result.bytes_sent, result.bytes_received,
                            start, assembled, outcome)

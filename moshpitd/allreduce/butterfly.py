@@ -55,6 +55,7 @@ class RoundResult:
     bytes_received: int
     seconds: float
     excluded: int  # bitmask of members whose contributions were cut short
+    owned: int = 0  # elements this peer reduced for the group
 
 
 class _SenderSlot:
@@ -354,4 +355,5 @@ class ButterflyRound:
         spans.sort()
         averaged = sum(1 for p in self.parts if self.applied.get(p.index, 0))
         return RoundResult(len(self.group.members), len(self.parts), averaged, tuple(spans),
-                           self.bytes_sent, self.bytes_received, seconds, self.reducer.excluded)
+                           self.bytes_sent, self.bytes_received, seconds, self.reducer.excluded,
+                           sum(p.numel for p in self.my_parts))

@@ -88,9 +88,10 @@ def schema_of(specs: Sequence[TensorSpec]) -> list[tuple[str, tuple[int, ...]]]:
     return [(s.dtype, s.shape) for s in specs]
 
 
-def schema_hash(specs: Sequence[TensorSpec]) -> bytes:
-    """Peers may only average tensors of identical dtypes and shapes, in the same order."""
-    packed = msgpack.packb([[d, list(shape)] for d, shape in schema_of(specs)])
+def schema_hash(specs: Sequence[TensorSpec], codec: str = "none") -> bytes:
+    """Peers may only average tensors of identical dtypes and shapes, in the same order, sent
+    with the same wire codec."""
+    packed = msgpack.packb([[[d, list(shape)] for d, shape in schema_of(specs)], codec])
     return hashlib.sha256(packed).digest()[:16]
 
 

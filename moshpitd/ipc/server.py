@@ -224,7 +224,7 @@ class Session:
                      "round": result.last_round, "coords": result.coords,
                      "group_sizes": [max(r.group_size, 1) for r in result.rounds],
                      "spans": [list(span) for span in result.spans],
-                     "members": list(result.members)}
+                     "members": list(result.members), "owned": result.owned}
             self.node.metrics.ipc_requests.labels("average", "ok").inc()
         except (MatchmakingError, AllreduceError, LayoutError, ValueError) as exc:
             self.node.metrics.ipc_requests.labels("average", "error").inc()

@@ -137,8 +137,9 @@ class Matchmaker:
             if self._seen_mismatch and not self._seen_match:
                 raise SchemaMismatch(
                     f"{len(self._seen_mismatch)} peer(s) under key {self.req.key!r} declared "
-                    "tensors with other dtypes or shapes (or another order), and none matched "
-                    "ours; every peer of a group must submit the same list of shapes and dtypes"
+                    "tensors with other dtypes or shapes (or another order or wire codec), and "
+                    "none matched ours; every peer of a group must submit the same list of "
+                    "shapes and dtypes with the same codec"
                 )
         raise GroupNotFound(
             f"no group of at least {self.req.min_size} peers under key {self.req.key!r} within "
