@@ -36,10 +36,11 @@ def all_finite(values: np.ndarray) -> bool:
     zeros = _ZEROS.get(values.dtype)
     if zeros is None:
         zeros = _ZEROS[values.dtype] = np.zeros(_CHUNK, dtype=values.dtype)
-    for start in range(0, values.size, _CHUNK):
-        chunk = values[start:start + _CHUNK]
-        if math.isnan(float(np.dot(chunk, zeros[:chunk.size]))):
-            return False
+    with np.errstate(invalid="ignore"):  # 0·Inf is the very NaN we look for
+        for start in range(0, values.size, _CHUNK):
+            chunk = values[start:start + _CHUNK]
+            if math.isnan(float(np.dot(chunk, zeros[:chunk.size]))):
+                return False
     return True
 
 
