@@ -163,6 +163,48 @@ class Client:
             self._shared.append((bid, base, len(buf), buf))
         return [v.reshape(t.shape) for v, t in zip(views, tensors, strict=True)]
 
+    def publish_state(self, key: str, tensors: Sequence[torch.Tensor],
+                      meta: dict[str, Any] | None = None, version: int | None = None,
+                      timeout: float = 30.0) -> int:
+        """Hand the daemon a snapshot of this trainer's state (parameters, optimizer state,
+        step...) for peers that join the run later; returns its version. The daemon keeps a
+        copy and serves it itself, so downloads never block this trainer. Peers publishing
+        the same `version` (e.g. the same step) serve one download together; by default the
+        version is the time of publication."""
+        tensors = list(tensors)
+        with self._lock:
+            shared = self._shared_layout(tensors)
+            if shared is not None:
+                bid, specs = shared
+            else:
+                specs, size = _layout(tensors)
+                bid = 0
+                self._ensure_buffer(size)
+                for view, t in zip(self._views(self._mmap, specs), tensors, strict=True):
+                    view.copy_(t.detach().reshape(-1))
+            reply = self._request({"op": "publish_state", "key": key, "tensors": specs,
+                                   "buffer": bid, "meta": meta or {}, "timeout": timeout,
+                                   "version": version},
+                                  timeout=timeout + 10.0)
+            return int(reply["version"])
+
+    def download_state(self, key: str, timeout: float = 30.0
+                       ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The latest state published under `key` by peers, downloaded by this daemon from
+        several donors at once (a donor that dies mid-way is replaced). Raises
+        StateUnavailable if no donor answers within `timeout`."""
+        with self._lock:
+            info = self._request({"op": "state_info", "key": key, "timeout": timeout},
+                                 timeout=timeout + 10.0)
+            self._ensure_buffer(int(info["total"]))
+            reply = self._request({"op": "download_state", "key": key, "buffer": 0,
+                                   "timeout": timeout}, timeout=timeout + 10.0)
+            specs = [list(t) for t in reply["tensors"]]
+            views = self._views(self._mmap, specs)
+            tensors = [v.clone().reshape(tuple(shape)) for v, (_, shape, _) in
+                       zip(views, specs, strict=True)]
+            return tensors, dict(reply.get("meta", {}))
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             return self._request({"op": "status"}, timeout=10.0)

@@ -35,6 +35,10 @@ class AllreduceFailed(MoshpitError):
     """A group was found but the all-reduce inside it failed."""
 
 
+class StateUnavailable(MoshpitError):
+    """No peer could provide the run's training state in time."""
+
+
 class DuplicateRequest(MoshpitError):
     """The daemon already averages under this key."""
 
@@ -43,6 +47,8 @@ _BY_NAME: dict[str, type[MoshpitError]] = {
     "GroupNotFound": GroupNotFound,
     "SchemaMismatch": SchemaMismatch,
     "GridMismatch": GridMismatch,
+    "StateUnavailable": StateUnavailable,
+    "TimeoutError": StateUnavailable,
     "AllreduceError": AllreduceFailed,
     "DuplicateRequest": DuplicateRequest,
     "MatchmakingError": GroupNotFound,

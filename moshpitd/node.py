@@ -32,6 +32,7 @@ from moshpitd.matchmaking.matchmaker import (
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
 from moshpitd.metrics import Metrics
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.state import StateStore
 from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE, AveragerServer, ChannelPool
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class MoshpitNode:
         self.metrics = metrics or Metrics()
         self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout)
         self.pool = ChannelPool(config.max_message)
-        self.server = AveragerServer(self._handle_join, config.max_message)
+        self.server = AveragerServer(self._handle_join, self._handle_state, config.max_message)
         self.registry = RoundRegistry(config.part_bytes * 2 + 4096)
         self.deadlines = DeadlinePolicy()
         self.fault = FaultPlan.from_env()
@@ -125,6 +126,7 @@ class MoshpitNode:
         self.grpc_endpoint = ""
         self._bootstrap_task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
+        self.states: StateStore | None = None
 
     @property
     def peer_id(self) -> bytes:
@@ -137,6 +139,7 @@ class MoshpitNode:
         self.grpc_endpoint = format_hostport(c.grpc_host, port)
         dport = await self.registry.start(c.grpc_host, c.data_port)
         self.data_endpoint = format_hostport(c.grpc_host, dport)
+        self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint)
         self._lag_task = asyncio.create_task(self._watch_loop_lag())
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
@@ -342,6 +345,13 @@ class MoshpitNode:
         return rec
 
     # --- gRPC handlers --------------------------------------------------------------------
+    async def _handle_state(self, request: pb.StateRequest, context: aio.ServicerContext
+                            ) -> AsyncIterator[pb.StateChunk]:
+        if self.states is None:
+            return
+        async for chunk in self.states.serve(request, context):
+            yield chunk
+
     async def _handle_join(self, request: pb.JoinRequest,
                            context: aio.ServicerContext) -> AsyncIterator[pb.JoinResponse]:
         mm = self.matchmakers.get(request.group_key)

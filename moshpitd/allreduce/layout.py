@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -196,6 +197,20 @@ class FlatView:
             arr, lo, hi = pieces[0]
             return arr[lo:hi]
         return np.concatenate([arr[lo:hi] for arr, lo, hi in pieces])
+
+    def pack(self) -> tuple[bytes, list[list[Any]]]:
+        # the tensors copied into one contiguous snapshot (64-byte aligned), with their
+        # [dtype, shape, offset] in it
+        specs: list[list[Any]] = []
+        offset = 0
+        for spec in self.specs:
+            offset = (offset + 63) // 64 * 64
+            specs.append([spec.dtype, list(spec.shape), offset])
+            offset += spec.nbytes
+        out = bytearray(offset)
+        for (_, _, off), arr in zip(specs, self._arrays, strict=True):
+            out[off:off + arr.nbytes] = arr.data.cast("B")
+        return bytes(out), specs
 
     def check_finite(self) -> None:
         for i, arr in enumerate(self._arrays):

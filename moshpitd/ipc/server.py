@@ -24,12 +24,13 @@ from typing import Any
 from moshpitd import __version__
 from moshpitd.allreduce.butterfly import AllreduceError
 from moshpitd.allreduce.codecs import CODECS
-from moshpitd.allreduce.layout import LayoutError
+from moshpitd.allreduce.layout import FlatView, LayoutError
 from moshpitd.ipc.buffer import BufferError_, SharedBuffer
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
 from moshpitd.matchmaking.errors import MatchmakingError
 from moshpitd.matchmaking.grid import Grid, GridError
 from moshpitd.node import AverageRequest, MoshpitNode, specs_from_wire
+from moshpitd.state import StateUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class Session:
                 raise RequestError("field 'op' must be a string")
             if op == "average":
                 self._start_average(msg, rid)
+                return
+            if op in ("publish_state", "state_info", "download_state"):
+                self._start_task(self._state_op(op, msg), op, rid)
                 return
             handler = {"hello": self._hello, "attach": self._attach, "status": self._status,
                        "rounds": self._rounds}.get(op)
@@ -211,6 +215,64 @@ class Session:
         task = asyncio.create_task(self._average(request, buffer, rid))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _start_task(self, coro: Any, op: str, rid: Any) -> None:
+        if len(self.tasks) >= MAX_INFLIGHT:
+            coro.close()
+            raise RequestError(f"at most {MAX_INFLIGHT} requests in flight per session")
+        task = asyncio.create_task(self._reply_when_done(coro, op, rid))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _reply_when_done(self, coro: Any, op: str, rid: Any) -> None:
+        try:
+            reply = {"ok": True, "id": rid, **(await coro)}
+            self.node.metrics.ipc_requests.labels(op, "ok").inc()
+        except (RequestError, StateUnavailable, LayoutError, ValueError, TimeoutError) as exc:
+            self.node.metrics.ipc_requests.labels(op, "error").inc()
+            reply = {"ok": False, "id": rid, "error": type(exc).__name__, "message": str(exc)}
+        except Exception as exc:  # a bug of ours: the trainer still gets an answer
+            log.exception("ipc session %d: %s failed", self.number, op)
+            reply = {"ok": False, "id": rid, "error": "InternalError",
+                     "message": f"daemon error: {exc!r}"}
+        with contextlib.suppress(OSError):
+            await self.conn.write_frame(reply)
+
+    async def _state_op(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        # live state for joiners (see moshpitd/state.py)
+        key = _field(msg, "key", str, required=True)
+        timeout = float(_field(msg, "timeout", (int, float), 30.0))
+        if not (0 < len(key) <= 256 and 0 < timeout <= 3600):
+            raise RequestError("key must have 1..256 characters and timeout be in (0, 3600]")
+        store, pool = self.node.states, self.node.pool
+        assert store is not None
+        if op == "publish_state":
+            meta = _field(msg, "meta", dict, {})
+            buffer = self._buffer(msg)
+            view = FlatView(buffer.view(), specs_from_wire(_field(msg, "tensors", list,
+                                                                    required=True)))
+            data, packed = view.pack()
+            version = _field(msg, "version", (int, type(None)))
+            if version is not None and not 0 < version < 1 << 63:
+                raise RequestError("version must be a positive 63-bit integer")
+            version = await store.publish(key, packed, meta, data, version)
+            return {"version": version, "total": len(data)}
+        _, info, holders = await store.header(key, pool, timeout)
+        reply = {"total": holders[0].total, "version": holders[0].version,
+                 "tensors": info.get("tensors", []), "meta": info.get("meta", {}),
+                 "donors": len(holders)}
+        if op == "download_state":
+            buffer = self._buffer(msg)
+            reply["served_by"] = await store.download(key, holders, buffer.view(), pool,
+                                                      timeout)
+        return reply
+
+    def _buffer(self, msg: dict[str, Any]) -> SharedBuffer:
+        bid = _field(msg, "buffer", int, 0)
+        if bid not in self.buffers:
+            raise RequestError(f"no shared buffer {bid} attached: send 'attach' with a memfd "
+                               "first")
+        return self.buffers[bid]
 
     async def _average(self, request: AverageRequest, buffer: SharedBuffer, rid: Any) -> None:
         try:

@@ -103,3 +103,29 @@ class GroupInfo(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[Member]
     codec: str
     def __init__(self, group_id: _Optional[bytes] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., schema_hash: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., codec: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("key", "offset", "length", "version")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    length: int
+    version: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("offset", "data", "total", "version", "header")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    total: int
+    version: int
+    header: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total: _Optional[int] = ..., version: _Optional[int] = ..., header: _Optional[bytes] = ...) -> None: ...

@@ -18,6 +18,7 @@ JOIN = f"/{SERVICE}/Join"
 DEFAULT_MAX_MESSAGE = 64 << 20
 
 JoinHandler = Callable[[pb.JoinRequest, aio.ServicerContext], AsyncIterator[pb.JoinResponse]]
+StateHandler = Callable[[pb.StateRequest, aio.ServicerContext], AsyncIterator[pb.StateChunk]]
 
 
 def channel_options(max_message: int) -> list[tuple[str, Any]]:
@@ -34,8 +35,10 @@ def channel_options(max_message: int) -> list[tuple[str, Any]]:
 class AveragerServer:
     """Serves the control plane (Join) with a generic handler."""
 
-    def __init__(self, join: JoinHandler, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+    def __init__(self, join: JoinHandler, state: StateHandler,
+                 max_message: int = DEFAULT_MAX_MESSAGE) -> None:
         self._join = join
+        self._state = state
         self.max_message = max_message
         self.server: aio.Server | None = None
 
@@ -47,6 +50,11 @@ class AveragerServer:
                 self._join,
                 request_deserializer=pb.JoinRequest.FromString,
                 response_serializer=pb.JoinResponse.SerializeToString,
+            ),
+            "DownloadState": grpc.unary_stream_rpc_method_handler(
+                self._state,
+                request_deserializer=pb.StateRequest.FromString,
+                response_serializer=pb.StateChunk.SerializeToString,
             ),
         }
         self.server.add_generic_rpc_handlers(
