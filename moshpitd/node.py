@@ -272,7 +272,7 @@ class MoshpitNode:
             self._record(key, 1, 0, 0, start, time.monotonic(), "alone")
             raise
         except BaseException:
-            self._record(key, 0, 0, 0, start, start, "matchmaking_failed")
+            self._record(key, 0, 0, 0, start, time.monotonic(), "matchmaking_failed")
             raise
         finally:
             del self.matchmakers[key]

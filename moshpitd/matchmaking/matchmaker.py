@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from moshpitd.matchmaking.errors import (
     NoPartners,
     SchemaMismatch,
 )
+from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 
@@ -41,42 +42,9 @@ MIN_POLL = 0.02
 MAX_POLL = 0.5
 
 
-@dataclass(frozen=True)
-class MatchRequest:
-    key: str
-    schema_hash: bytes
-    weight: float
-    target_size: int = 16
-    min_size: int = 2
-    client_mode: bool = False
-    attempt_seconds: float = 5.0
-    # Peers known to be coming (grid line-mates). None: unknown, so assemble once everyone
-    # declared under the key has joined and nothing changed for SETTLE_SECONDS.
-    expected: frozenset[bytes] | None = None
-    codec: str = "none"
-
-
-@dataclass(frozen=True)
-class LineStatus:
-    """What the run directory says about our grid line right now."""
-
-    expected: frozenset[bytes]  # line-mates that will come to this round
-    moved_on: bool  # some peer of the run already declared a later round
-    settled: bool = True  # no peer joined or left the run lately: `expected` is complete
-
-
-LineWatcher = Callable[[], Awaitable[LineStatus]]
 LONELY_GRACE = 0.2
 RETRY_ASK = 0.25  # how soon to ask a leader again that turned us away
 SETTLE_SECONDS = 0.5  # without a grid: how long a complete-looking group must stay unchanged
-
-
-@dataclass(frozen=True)
-class Self:
-    peer_id: bytes
-    endpoint: str
-    data_endpoint: str = ""
-    bandwidth: float = 1.0
 
 
 @dataclass

@@ -1,0 +1,41 @@
+"""What a matchmaking request is: the asking peer, its request, and what it knows of its line."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MatchRequest:
+    key: str
+    schema_hash: bytes
+    weight: float
+    target_size: int = 16
+    min_size: int = 2
+    client_mode: bool = False
+    attempt_seconds: float = 5.0
+    # Peers known to be coming (grid line-mates). None: unknown, so assemble once everyone
+    # declared under the key has joined and nothing changed for SETTLE_SECONDS.
+    expected: frozenset[bytes] | None = None
+    codec: str = "none"
+
+
+@dataclass(frozen=True)
+class LineStatus:
+    """What the run directory says about our grid line right now."""
+
+    expected: frozenset[bytes]  # line-mates that will come to this round
+    moved_on: bool  # some peer of the run already declared a later round
+    settled: bool = True  # no peer joined or left the run lately: `expected` is complete
+
+
+LineWatcher = Callable[[], Awaitable[LineStatus]]
+
+
+@dataclass(frozen=True)
+class Self:
+    peer_id: bytes
+    endpoint: str
+    data_endpoint: str = ""
+    bandwidth: float = 1.0
