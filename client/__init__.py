@@ -11,12 +11,14 @@ from moshpit.errors import (
     MoshpitError,
     ProtocolError,
     SchemaMismatch,
+    StateUnavailable,
 )
+from moshpit.optimizer import Optimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllreduceFailed", "Client", "DaemonUnavailable", "DuplicateRequest", "GridMismatch",
-    "GroupNotFound", "InvalidRequest", "MoshpitError", "ProtocolError", "RoundInfo",
-    "SchemaMismatch",
+    "GroupNotFound", "InvalidRequest", "MoshpitError", "Optimizer", "ProtocolError", "RoundInfo",
+    "SchemaMismatch", "StateUnavailable",
 ]

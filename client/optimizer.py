@@ -1,0 +1,499 @@
+"""moshpit.Optimizer: Moshpit SGD (Ryabinin et al. 2021, Algorithm 2) around any torch optimizer.
+
+Every `average_every` local steps the parameters (and optionally model buffers and optimizer
+state) are averaged through the local moshpitd with the peers training under the same key,
+weighted by the samples each peer processed since its last successful round. Averaging is
+best-effort: a failed round keeps the local values and training goes on.
+
+With overlap=True the round runs in a background thread on a snapshot while local steps go on;
+the result is applied as a delta, p += averaged - snapshot, so the progress made meanwhile is
+kept. The delta is applied on the training thread, inside step(), and only once the round has
+returned completely: a buffer the daemon is still writing is never read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from moshpit.client import Client, RoundInfo
+from moshpit.errors import DaemonUnavailable, MoshpitError
+
+log = logging.getLogger(__name__)
+
+_WIRE_DTYPES = (torch.float16, torch.float32, torch.float64)
+# Second moments and variances: never negative. In overlap mode a local decay since the snapshot
+# plus a smaller group average could push them below zero (NaN in Adam's sqrt), so they are
+# clamped at 0 after the delta. Matched as name suffixes (state.<i>.<key>, buffer.<name>).
+_NON_NEGATIVE = ("exp_avg_sq", "square_avg", "acc_delta", ".sum", "exp_inf", "running_var")
+# Integer-valued counters: averaging them would be meaningless (Adam's bias correction must
+# follow this peer's own step count), so they stay local.
+_LOCAL_STATE_KEYS = frozenset({"step"})
+
+
+class AveragingClient(Protocol):
+    """What the optimizer needs from a client (moshpit.Client, or a fake in tests)."""
+
+    last_round: RoundInfo | None
+
+    def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
+                timeout: float = 30.0, group_size: int = 16, min_group_size: int = 2,
+                grid: tuple[int, int] | None = None, rounds: int = 1,
+                initial_coords: Sequence[int] | None = None,
+                codec: str = "none") -> list[torch.Tensor]: ...
+
+    def share(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+@dataclass
+class _Pending:
+    """A round running in the background (overlap mode)."""
+
+    future: Future[tuple[list[torch.Tensor], RoundInfo | None]]
+    names: list[str]
+    snapshot: list[torch.Tensor]  # private copies of the tensors at launch, never shared
+    samples: int  # the weight sent: subtracted from the sample count once the round succeeds
+
+
+class Optimizer:
+    """Wraps a torch optimizer; step() takes a local step and averages every few steps.
+
+    The averaged list is params (param_groups order), then the model's float buffers
+    (`model.named_buffers()` order), then with average_state=True each param's float state
+    tensors in sorted key order; step counters ("step") stay local. The list is fixed at the
+    first round after the first step (lazily created state exists by then), so every peer
+    submits the same shapes in the same order. Tensors of other float dtypes (bf16) travel as
+    float32. Give LR schedulers `opt.optimizer`.
+
+    `client` is a moshpit.Client or a socket path; after a DaemonUnavailable the next round
+    opens a new connection to the same socket (a fresh Client replaces `opt.client`).
+    `grid`, `group_size`, `min_group_size`, `timeout`, `codec`, `initial_coords` go to
+    Client.average as they are.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, client: AveragingClient | str,
+                 key: str, average_every: int = 5, *, grid: tuple[int, int] | None = None,
+                 group_size: int = 16, min_group_size: int = 2, average_state: bool = False,
+                 model: nn.Module | None = None, overlap: bool = False, timeout: float = 30.0,
+                 codec: str = "none", initial_coords: Sequence[int] | None = None,
+                 share_memory: bool = True, publish_every: int = 1) -> None:
+        if average_every < 1:
+            raise ValueError(f"average_every must be >= 1, not {average_every}")
+        self.optimizer = optimizer
+        self.key = key
+        self.average_every = average_every
+        self.grid = grid
+        self.group_size = group_size
+        self.min_group_size = min_group_size
+        self.average_state = average_state
+        self.model = model
+        self.overlap = overlap
+        self.timeout = timeout
+        self.codec = codec
+        self.initial_coords = None if initial_coords is None else tuple(initial_coords)
+        self.share_memory = share_memory
+        self.publish_every = publish_every  # rounds between state snapshots for joiners (0: off)
+        # A socket path: connect now if we can, else at the first round (never fail training).
+        self._socket_path: str | None = None
+        if isinstance(client, str):
+            self._socket_path = client
+        elif isinstance(client, Client):
+            self._socket_path = client.socket_path
+        self._owns_client = isinstance(client, str)
+        self.client: AveragingClient | None = None if isinstance(client, str) else client
+        self._reconnect = isinstance(client, str)
+
+        self.local_step = 0
+        self.rounds_done = 0
+        self.failed_rounds = 0
+        self.last_round: RoundInfo | None = None
+        self.last_error: MoshpitError | None = None
+        self._samples = 0  # since the last successful round: this peer's weight
+        self._since_round = 0  # local steps since the last round was started
+
+        self._names: list[str] | None = None  # the averaged list, frozen after the first step
+        self._wire: list[torch.Tensor] | None = None  # buffers handed to the client
+        self._pending: _Pending | None = None
+        self._warned_new: set[str] = set()
+        if isinstance(client, str):
+            try:
+                self.client = Client(client)
+                self._reconnect = False
+            except MoshpitError as exc:  # not a round yet: just say so, retry at the first one
+                log.warning("moshpit %s: cannot reach the daemon yet: %s", key, exc)
+
+    # --- the training loop ------------------------------------------------------------------
+    def step(self, closure: Callable[[], float] | None = None, batch_size: int = 1) -> Any:
+        """One local step on `batch_size` samples; averages when it is time to."""
+        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.local_step += 1
+        self._samples += int(batch_size)
+        self._since_round += 1
+        if self.overlap:
+            self._poll()
+            if self._pending is None and self._since_round >= self.average_every:
+                self._launch()
+        elif self._since_round >= self.average_every:
+            self._average_blocking()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def sync(self, min_group_size: int | None = None, timeout: float | None = None) -> bool:
+        """Average now, blocking: a collective point every peer calls (e.g. with
+        min_group_size=world before and after training). True on success.
+
+        It averages under its own key (`key + "/sync"`) without the grid, so it never pairs with
+        a peer's regular round, whose tensor list may differ (no optimizer state before the
+        first step) and whose timing does not line up. In overlap mode the round in flight is
+        finished and applied first."""
+        self.finish()
+        group = max(self.group_size, min_group_size or 0)
+        return self._average_blocking(dict(key=f"{self.key}/sync", grid=None,
+                                           initial_coords=None, group_size=group,
+                                           min_group_size=min_group_size or self.min_group_size,
+                                           timeout=timeout or self.timeout))
+
+    def finish(self) -> None:
+        """Wait for the round in flight (overlap mode) and apply it."""
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending.future.exception()  # waits; errors are handled by _poll
+            self._poll()
+
+    def close(self) -> None:
+        """Finish the round in flight; close the client if this optimizer opened it."""
+        self.finish()
+        if self._owns_client and isinstance(self.client, Client):
+            self.client.close()
+        self.client = None
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- pass-through -----------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Changes what is averaged: every peer must add the same group at the same step."""
+        self.optimizer.add_param_group(param_group)
+        self._drop_pending()
+        self._reset_layout()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "moshpit": {
+            "local_step": self.local_step, "rounds_done": self.rounds_done,
+            "failed_rounds": self.failed_rounds, "samples": self._samples,
+            "since_round": self._since_round}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes what state_dict() returned, or a plain state dict of the wrapped optimizer."""
+        self._drop_pending()  # its snapshot belongs to the state being replaced
+        if "moshpit" in state_dict and "optimizer" in state_dict:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+            counters = state_dict["moshpit"]
+            self.local_step = int(counters["local_step"])
+            self.rounds_done = int(counters["rounds_done"])
+            self.failed_rounds = int(counters["failed_rounds"])
+            self._samples = int(counters["samples"])
+            self._since_round = int(counters["since_round"])
+        else:
+            self.optimizer.load_state_dict(state_dict)
+        self._reset_layout()
+
+    def __repr__(self) -> str:
+        return (f"moshpit.Optimizer({self.optimizer.__class__.__name__}, key={self.key!r}, "
+                f"average_every={self.average_every}, overlap={self.overlap}, "
+                f"rounds_done={self.rounds_done}, failed_rounds={self.failed_rounds})")
+
+    # --- what is averaged -------------------------------------------------------------------
+    def _candidates(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Everything averageable now, named stably across peers, in the averaging order."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for i, p in enumerate(params):
+            yield f"param.{i}", p
+        if self.model is not None:
+            for name, buf in self.model.named_buffers():
+                if buf.is_floating_point():
+                    yield f"buffer.{name}", buf
+        if self.average_state:
+            for i, p in enumerate(params):
+                state = self.optimizer.state.get(p, {})
+                for k in sorted(state, key=str):
+                    value = state[k]
+                    if (str(k) not in _LOCAL_STATE_KEYS and isinstance(value, torch.Tensor)
+                            and value.is_floating_point() and value.numel() > 0):
+                        yield f"state.{i}.{k}", value
+
+    def _tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        """The averaged tensors of this round; the list is frozen once a step has been taken."""
+        found = dict(self._candidates())
+        if self._names is None:
+            names = list(found)
+            if self.local_step == 0:  # optimizer state does not exist yet: do not freeze
+                return names, [found[n] for n in names]
+            self._names = names
+        missing = [n for n in self._names if n not in found]
+        if missing:
+            raise RuntimeError(f"tensors averaged before are gone: {missing[:5]}; call "
+                               "load_state_dict/add_param_group on every peer alike")
+        for n in found.keys() - set(self._names) - self._warned_new:
+            self._warned_new.add(n)
+            log.warning("%s appeared after the averaged list was fixed: it stays local", n)
+        return self._names, [found[n] for n in self._names]
+
+    def _wire_buffers(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU tensors handed to the client; shared with the daemon when it can, reused."""
+        wire = self._wire
+        if wire is None or len(wire) != len(tensors) or any(
+                w.shape != t.shape or w.dtype != _wire_dtype(t)
+                for w, t in zip(wire, tensors, strict=True)):
+            blank = [torch.empty(t.shape, dtype=_wire_dtype(t)) for t in tensors]
+            wire = blank
+            if self.share_memory and self.client is not None:
+                try:
+                    wire = list(self.client.share(blank))
+                except (AttributeError, NotImplementedError):
+                    wire = blank
+            self._wire = wire
+        return wire
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending.future.exception()  # the client's buffers are ours again
+            self._pending = None
+
+    def _reset_layout(self) -> None:
+        self._names = None
+        self._wire = None
+
+    # --- rounds -----------------------------------------------------------------------------
+    def _connect(self) -> bool:
+        """Opens a fresh connection after the daemon went away (or was never reached)."""
+        if not self._reconnect:
+            return self.client is not None
+        if self._socket_path is None:  # not ours to reopen (a fake client): just retry it
+            self._reconnect = False
+            return self.client is not None
+        old = self.client
+        try:
+            self.client = Client(self._socket_path)
+        except MoshpitError as exc:
+            self._failed(exc, "cannot reach the daemon")
+            return False
+        if isinstance(old, Client):
+            old.close()
+        self._owns_client = True
+        self._reconnect = False
+        self._wire = None  # shared memory belongs to the old connection
+        return True
+
+    def _average_blocking(self, overrides: dict[str, Any] | None = None) -> bool:
+        self._since_round = 0
+        if not self._connect():
+            return False
+        _, tensors = self._tensors()
+        wire = self._wire_buffers(tensors)
+        with torch.no_grad():
+            for w, t in zip(wire, tensors, strict=True):
+                w.copy_(t)
+        sent = self._samples
+        try:
+            out, info = self._call(wire, sent, overrides)
+        except MoshpitError as exc:
+            self._failed(exc, f"round at step {self.local_step} failed, keeping local values")
+            return False
+        with torch.no_grad():
+            for t, a in zip(tensors, out, strict=True):
+                t.copy_(a)
+        self._succeeded(sent, info)
+        return True
+
+    def _call(self, wire: list[torch.Tensor], samples: int,
+              overrides: dict[str, Any] | None = None) -> tuple[list[torch.Tensor],
+                                                                RoundInfo | None]:
+        """One round through the client; weight 1 when no sample was seen (all-zero weights
+        would make the group's mean undefined)."""
+        client = self.client
+        assert client is not None
+        args: dict[str, Any] = dict(key=self.key, timeout=self.timeout,
+                                    group_size=self.group_size,
+                                    min_group_size=self.min_group_size, grid=self.grid,
+                                    codec=self.codec, initial_coords=self.initial_coords)
+        out = client.average(wire, weight=float(max(samples, 1)), **{**args, **(overrides or {})})
+        if len(out) != len(wire):
+            raise MoshpitError(f"the client returned {len(out)} tensors for {len(wire)}")
+        return list(out), getattr(client, "last_round", None)
+
+    def _launch(self) -> None:
+        """Starts a background round on a snapshot of the tensors (overlap mode)."""
+        self._since_round = 0
+        if not self._connect():
+            return
+        names, tensors = self._tensors()
+        wire = self._wire_buffers(tensors)
+        with torch.no_grad():
+            snapshot = [t.detach().clone() for t in tensors]
+            for w, s in zip(wire, snapshot, strict=True):
+                w.copy_(s)
+        future: Future[tuple[list[torch.Tensor], RoundInfo | None]] = Future()
+        samples = self._samples
+
+        def run() -> None:
+            try:
+                future.set_result(self._call(wire, samples))
+            except BaseException as exc:  # handed to the training thread by _poll
+                future.set_exception(exc)
+
+        self._pending = _Pending(future, names, snapshot, samples)
+        threading.Thread(target=run, name=f"moshpit-average-{self.key}", daemon=True).start()
+
+    def _poll(self) -> None:
+        """Applies the background round if it has returned; on the training thread only."""
+        pending = self._pending
+        if pending is None or not pending.future.done():
+            return
+        self._pending = None
+        exc = pending.future.exception()
+        if isinstance(exc, MoshpitError):
+            self._failed(exc, f"background round failed (seen at step {self.local_step}), "
+                              "keeping local values")
+            return
+        if exc is not None:
+            raise exc
+        out, info = pending.future.result()
+        _, tensors = self._tensors()  # the list was frozen before launch: the same names
+        self._apply_delta(tensors, pending.snapshot, out, pending.names)
+        self._succeeded(pending.samples, info)
+
+    def _apply_delta(self, tensors: list[torch.Tensor], snapshot: list[torch.Tensor],
+                     averaged: list[torch.Tensor], names: list[str]) -> None:
+        """t += averaged - snapshot: the group's correction, keeping local progress since.
+
+        Variances and second moments are clamped at 0 (see _NON_NEGATIVE)."""
+        with torch.no_grad():
+            for t, s, a, name in zip(tensors, snapshot, averaged, names, strict=True):
+                t.add_(a.to(device=s.device, dtype=s.dtype) - s)
+                if stays_non_negative(name):
+                    t.clamp_(min=0)
+
+    def _succeeded(self, samples: int, info: RoundInfo | None) -> None:
+        self._samples -= samples
+        self.rounds_done += 1
+        self.last_round = info
+        self.last_error = None
+        if self.publish_every and self.rounds_done % self.publish_every == 0:
+            self.publish_state()
+
+    # --- live state for joiners -----------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        return f"{self.key}/state"
+
+    def _state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        """Everything a joiner needs: parameters, float buffers and all optimizer state
+        tensors (step counters included, as they are)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        named: list[tuple[str, torch.Tensor]] = [(f"param.{i}", p) for i, p in enumerate(params)]
+        if self.model is not None:
+            named += [(f"buffer.{n}", b) for n, b in self.model.named_buffers()
+                      if b.is_floating_point()]
+        for i, p in enumerate(params):
+            for k, v in sorted(self.optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                if isinstance(v, torch.Tensor) and v.dtype in _WIRE_DTYPES and v.numel() > 0:
+                    named.append((f"state.{i}.{k}", v))
+        return [n for n, _ in named], [t.detach() for _, t in named]
+
+    def publish_state(self) -> bool:
+        """Hand this peer's state to its daemon, which serves it to peers that join later
+        (without blocking this trainer). Peers at the same local step publish the same
+        version, so a joiner downloads from several of them at once."""
+        client = self.client
+        if client is None or not hasattr(client, "publish_state"):
+            return False
+        names, tensors = self._state_tensors()
+        try:
+            client.publish_state(self.state_key, tensors,
+                                 {"names": names, "local_step": self.local_step},
+                                 version=max(self.local_step, 1), timeout=self.timeout)
+        except MoshpitError as exc:
+            log.warning("moshpit %s: publishing state failed: %s", self.key, exc)
+            return False
+        return True
+
+    def load_state_from_peers(self, timeout: float = 30.0) -> int:
+        """Start from the swarm's current state: parameters, buffers, optimizer state and step
+        counter, downloaded from peers' daemons. Call it before the first step of a trainer
+        that joins a running job; returns the local step it resumes at. Raises
+        moshpit.StateUnavailable if no peer answers within `timeout`."""
+        if not self._connect() or self.client is None or not hasattr(self.client,
+                                                                     "download_state"):
+            raise DaemonUnavailable("no daemon to download the state through")
+        tensors, meta = self.client.download_state(self.state_key, timeout=timeout)
+        names = meta.get("names")
+        if not isinstance(names, list) or len(names) != len(tensors):
+            raise MoshpitError("the downloaded state does not describe its tensors")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        buffers = dict(self.model.named_buffers()) if self.model is not None else {}
+        with torch.no_grad():
+            for name, value in zip(names, tensors, strict=True):
+                kind, _, rest = str(name).partition(".")
+                if kind == "param":
+                    target: torch.Tensor | None = params[int(rest)]
+                elif kind == "buffer":
+                    target = buffers.get(rest)
+                else:
+                    index, _, key = rest.partition(".")
+                    state = self.optimizer.state[params[int(index)]]
+                    state[key] = value.clone().to(params[int(index)].device)
+                    continue
+                if target is None or target.shape != value.shape:
+                    raise MoshpitError(f"downloaded {name} does not fit this model")
+                target.copy_(value)
+        self.local_step = int(meta.get("local_step", 0))
+        self._since_round = 0
+        self._samples = 0
+        return self.local_step
+
+    def _failed(self, exc: MoshpitError, what: str) -> None:
+        self.failed_rounds += 1
+        self.last_error = exc
+        if isinstance(exc, DaemonUnavailable):
+            self._reconnect = True  # the next round retries, on a new connection if we can
+            self._wire = None
+        log.warning("moshpit %s: %s: %s", self.key, what, exc)
+
+
+def stays_non_negative(name: str) -> bool:
+    """Whether the averaged tensor `name` (state.<i>.<key>, buffer.<name>) is a variance."""
+    return not name.startswith("param.") and name.endswith(_NON_NEGATIVE)
+
+
+def _wire_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if t.dtype in _WIRE_DTYPES else torch.float32
+
+
+__all__ = ["AveragingClient", "Optimizer"]

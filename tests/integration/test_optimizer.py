@@ -1,0 +1,313 @@
+"""Moshpit SGD end to end: 4 trainer processes, each with its own real daemon, on sklearn digits.
+
+Trainers run `sys.executable -c TRAINER` (never forked: torch threads and sockets do not survive
+fork). Each holds a quarter of the training split, starts from the same seeded weights and
+averages every few local steps; the reference is one process on all the data with a 4x batch
+for the same epochs, so both take the same number of steps over the same samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import moshpit
+from moshpitd.launcher import LocalSwarm, start_daemon
+from tests.integration.helpers import run_parallel
+
+WORLD = 4
+BATCH = 16  # per trainer; the single process uses WORLD * BATCH
+EPOCHS = 12
+LR = 3e-3
+EVERY = 4
+COMPUTE = 0.005  # seconds of simulated compute per step (a sleep: it leaves the cores free)
+
+TRAINER = r'''
+import json, sys, time
+import numpy as np
+import torch
+from torch import nn
+
+import moshpit
+
+cfg = json.loads(sys.argv[1])
+torch.set_num_threads(1)  # 4 trainers and 4 daemons share two cores
+rank, world = cfg["rank"], cfg["world"]
+with np.load(cfg["data"]) as d:
+    per_rank = len(d["x_train"]) // world
+    x = torch.from_numpy(d["x_train"][rank::world][:per_rank])
+    y = torch.from_numpy(d["y_train"][rank::world][:per_rank]).long()
+    x_test, y_test = torch.from_numpy(d["x_test"]), torch.from_numpy(d["y_test"]).long()
+
+torch.manual_seed(0)  # the same initial weights on every rank
+model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+inner = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+checks = {"applied": 0, "bad": 0}
+
+
+class RecordingClient(moshpit.Client):
+    """Remembers, at the moment average() returns, what it returned and what it was given."""
+
+    def average(self, tensors, *args, **kwargs):
+        self.sent = [t.clone() for t in tensors]
+        out = super().average(tensors, *args, **kwargs)
+        self.returned = [t.clone() for t in out]
+        return out
+
+
+class CheckedOptimizer(moshpit.Optimizer):
+    """Checks every applied delta: snapshot is what was sent, averaged is exactly what the
+    round returned (nothing written after), and each tensor moved by averaged - snapshot."""
+
+    def _apply_delta(self, tensors, snapshot, averaged, names):
+        before = [t.detach().clone() for t in tensors]
+        ok = all(torch.equal(a, r) for a, r in zip(averaged, self.client.returned))
+        ok &= all(torch.equal(s, w) for s, w in zip(snapshot, self.client.sent))
+        super()._apply_delta(tensors, snapshot, averaged, names)
+        for t, b, s, a, n in zip(tensors, before, snapshot, averaged, names):
+            want = b + (a - s)
+            if moshpit.optimizer.stays_non_negative(n):
+                want = want.clamp(min=0)
+            ok &= torch.equal(t.detach(), want)
+        checks["applied"] += 1
+        checks["bad"] += 0 if ok else 1
+
+
+if cfg["solo"]:
+    opt = None
+else:
+    opt = CheckedOptimizer(
+        inner, client=RecordingClient(cfg["socket"]), key=cfg["key"],
+        average_every=cfg["every"], group_size=world, model=model, average_state=True,
+        overlap=cfg["overlap"], timeout=20.0)
+    assert opt.sync(min_group_size=world), opt.last_error  # start together
+loss_fn = nn.CrossEntropyLoss()
+gen = torch.Generator().manual_seed(1000 + rank)
+start = time.monotonic()
+for epoch in range(cfg["epochs"]):
+    model.train()
+    order = torch.randperm(len(x), generator=gen)
+    for i in range(0, len(x) - cfg["batch"] + 1, cfg["batch"]):  # full batches only
+        idx = order[i:i + cfg["batch"]]
+        loss = loss_fn(model(x[idx]), y[idx])
+        inner.zero_grad()
+        loss.backward()
+        if opt is None:
+            inner.step()
+        else:
+            time.sleep(cfg["compute"])  # a bigger model's backward: what overlap hides rounds in
+            opt.step(batch_size=len(idx))
+final_sync = None
+if opt is not None:
+    final_sync = opt.sync(min_group_size=world)  # end together: one model everywhere
+model.eval()
+with torch.no_grad():
+    acc = float((model(x_test).argmax(1) == y_test).float().mean())
+    digest = float(sum(p.double().sum() for p in model.parameters()))
+print(json.dumps({
+    "rank": rank, "accuracy": acc, "digest": digest, "seconds": time.monotonic() - start,
+    "final_sync": final_sync, "local_step": None if opt is None else opt.local_step,
+    "rounds_done": None if opt is None else opt.rounds_done,
+    "failed_rounds": None if opt is None else opt.failed_rounds,
+    "group_size": None if opt is None or opt.last_round is None else opt.last_round.group_size,
+    "checks": checks}), flush=True)
+'''
+
+
+def save_split(path: Path) -> None:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=0.2, random_state=0, stratify=y)
+    np.savez(path, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+
+
+def spawn(cfg: dict[str, Any]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def collect(procs: list[subprocess.Popen[str]], timeout: float = 90.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            assert p.returncode == 0, f"trainer exited with {p.returncode}:\n{err[-3000:]}"
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One swarm and one data split for the module; each run uses its own key."""
+    tmp = tmp_path_factory.mktemp("optimizer")
+    data = tmp / "digits.npz"
+    save_split(data)
+    swarm = LocalSwarm(WORLD, workdir=tmp / "swarm").start()
+    try:
+        yield {"swarm": swarm, "data": str(data), "runs": {}}
+    finally:
+        swarm.stop()
+
+
+def train(setting: dict[str, Any], overlap: bool) -> list[dict[str, Any]]:
+    """Runs the 4 trainers once per mode (cached: the overlap test compares with blocking)."""
+    runs = setting["runs"]
+    if overlap not in runs:
+        swarm: LocalSwarm = setting["swarm"]
+        base = {"world": WORLD, "data": setting["data"], "epochs": EPOCHS, "batch": BATCH,
+                "lr": LR, "every": EVERY, "overlap": overlap, "solo": False, "compute": COMPUTE,
+                "key": f"digits-{'overlap' if overlap else 'blocking'}"}
+        start = time.monotonic()
+        results = collect([spawn({**base, "rank": r, "socket": swarm.sockets[r]})
+                           for r in range(WORLD)])
+        print(f"{'overlap' if overlap else 'blocking'}: {time.monotonic() - start:.1f} s",
+              [(r["accuracy"], r["rounds_done"], round(r["seconds"], 1)) for r in results])
+        runs[overlap] = results
+    return list(runs[overlap])
+
+
+def check_trainers(results: list[dict[str, Any]], min_rounds: float) -> None:
+    steps = results[0]["local_step"]
+    for r in results:
+        assert r["final_sync"] is True, r
+        assert r["group_size"] == WORLD, r
+        assert r["local_step"] == steps, r
+        assert r["rounds_done"] >= min_rounds * steps / EVERY, r
+    # the final round with everyone leaves one model on every rank
+    digests = [r["digest"] for r in results]
+    assert max(digests) - min(digests) <= 1e-4 * max(1.0, abs(digests[0])), digests
+    accs = [r["accuracy"] for r in results]
+    assert max(accs) - min(accs) <= 1e-9, accs
+
+
+def test_moshpit_sgd_matches_single_process_accuracy(setting: dict[str, Any]) -> None:
+    solo = spawn({"world": 1, "rank": 0, "data": setting["data"], "epochs": EPOCHS,
+                  "batch": WORLD * BATCH, "lr": LR, "every": EVERY, "overlap": False,
+                  "solo": True, "key": "", "socket": ""})
+    try:
+        results = train(setting, overlap=False)
+    finally:
+        (reference,) = collect([solo])
+    # a round every EVERY steps: a few may fail, most must succeed
+    check_trainers(results, min_rounds=0.8)
+    moshpit_acc, solo_acc = results[0]["accuracy"], reference["accuracy"]
+    print(f"moshpit {moshpit_acc:.4f} vs single process {solo_acc:.4f}")
+    assert solo_acc > 0.9, reference  # the setting itself learns
+    assert abs(moshpit_acc - solo_acc) <= 0.01, (moshpit_acc, solo_acc)
+
+
+def test_overlap_converges_like_blocking_and_applies_whole_results(
+        setting: dict[str, Any]) -> None:
+    overlapped = train(setting, overlap=True)
+    blocking = train(setting, overlap=False)
+    # a round still in flight when the next is due delays it: fewer rounds than blocking
+    check_trainers(overlapped, min_rounds=0.25)
+    for r in overlapped:
+        # every background round was applied (the two syncs block), each exactly
+        # averaged - snapshot, with the averaged values exactly what the round returned
+        assert r["checks"]["applied"] == r["rounds_done"] - 2, r
+        assert r["checks"]["bad"] == 0, r
+    over_acc, block_acc = overlapped[0]["accuracy"], blocking[0]["accuracy"]
+    print(f"overlap {over_acc:.4f} vs blocking {block_acc:.4f}")
+    assert over_acc > 0.9
+    assert abs(over_acc - block_acc) <= 0.02, (over_acc, block_acc)
+
+
+def test_daemon_restart_is_survived_and_reconnected(
+        swarm_factory: Callable[..., LocalSwarm]) -> None:
+    """The trainer's daemon dies: the round fails without raising, training goes on, and once
+    a daemon is back on the socket the next round reconnects and averages again."""
+    swarm = swarm_factory(2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = moshpit.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                            client=moshpit.Client(swarm.sockets[1]), key="restart",
+                            average_every=1, group_size=2, timeout=15.0)
+    partner = moshpit.Client(swarm.sockets[0])
+    partner_params = [torch.full((2, 4), 3.0), torch.full((2,), 3.0)]
+
+    def round_with_partner() -> list[torch.Tensor]:
+        model.weight.grad = torch.zeros_like(model.weight)
+        model.bias.grad = torch.zeros_like(model.bias)
+        out = run_parallel([lambda: partner.average(partner_params, key="restart", weight=1.0,
+                                                    timeout=15.0, group_size=2),
+                            lambda: opt.step(batch_size=1)])
+        assert not isinstance(out[0], Exception), out[0]
+        assert out[1] is None, out[1]
+        return list(out[0])
+
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(1.0)
+    result = round_with_partner()
+    assert opt.rounds_done == 1 and torch.equal(result[0], torch.full((2, 4), 2.0))
+    assert torch.equal(model.weight.detach(), torch.full((2, 4), 2.0))
+
+    workdir = swarm.daemons[1].workdir
+    swarm.daemons[1].stop()
+    opt.step(batch_size=1)  # no daemon: counted, logged, local values kept
+    assert opt.failed_rounds == 1 and isinstance(opt.last_error, moshpit.DaemonUnavailable)
+    assert torch.equal(model.weight.detach(), torch.full((2, 4), 2.0))
+    opt.step(batch_size=1)  # still none: the reconnect fails quietly too
+    assert opt.failed_rounds == 2
+
+    swarm.daemons[1] = start_daemon("d1", workdir, [swarm.daemons[0].dht])
+    assert swarm.daemons[1].socket == swarm.sockets[1]
+    partner_params = [torch.full((2, 4), 4.0), torch.full((2,), 4.0)]
+    result = round_with_partner()  # weight 3 (three steps since the last success) vs 1
+    assert opt.rounds_done == 2 and opt.failed_rounds == 2
+    assert torch.equal(model.weight.detach(), torch.full((2, 4), (3 * 2.0 + 4.0) / 4))
+    partner.close()
+    opt.close()
+
+
+def test_grid_rounds_reach_the_exact_mean(swarm4: LocalSwarm) -> None:
+    """On a full 2x2 grid, two rounds (one per axis) give every peer the exact mean, here
+    through the optimizer: lr 0, so the parameters only move by averaging. (Equal batches: each
+    round weighs a peer by its new samples, not by the mass its line carries, so unequal ones
+    would give another, still convex, combination.)"""
+    params = [[torch.nn.Parameter(torch.full((3, 5), float(r))), torch.nn.Parameter(
+        torch.full((7,), -2.0 * r))] for r in range(WORLD)]
+    opts = [moshpit.Optimizer(torch.optim.SGD(params[r], lr=0.0),
+                              client=moshpit.Client(swarm4.sockets[r]), key="grid",
+                              average_every=1, grid=(2, 2), initial_coords=(r // 2, r % 2),
+                              timeout=20.0)
+            for r in range(WORLD)]
+
+    def two_steps(r: int) -> None:
+        for _ in range(2):
+            for p in params[r]:
+                p.grad = torch.zeros_like(p)
+            opts[r].step(batch_size=8)
+
+    out = run_parallel([lambda r=r: two_steps(r) for r in range(WORLD)])
+    assert all(o is None for o in out), out
+    mean0 = sum(range(WORLD)) / WORLD
+    for r, opt in enumerate(opts):
+        assert opt.rounds_done == 2 and opt.failed_rounds == 0, opt.last_error
+        assert opt.last_round is not None and opt.last_round.group_size == 2
+        assert opt.last_round.coords == (r // 2, r % 2)
+        torch.testing.assert_close(params[r][0].detach(), torch.full((3, 5), mean0))
+        torch.testing.assert_close(params[r][1].detach(), torch.full((7,), -2.0 * mean0))
+        opt.close()
