@@ -42,6 +42,25 @@ LAG_TICK = 0.1
 LAG_WARN = 0.25
 
 
+@dataclass
+class SettlePolicy:
+    """How long a leader below its target waits for latecomers once everyone declared has
+    joined: twice the usual arrival spread of its followers, within [floor, ceiling]. After a
+    peer leaves for good, later rounds then lose tens of milliseconds, not half a second."""
+
+    floor: float = 0.05
+    ceiling: float = 0.5
+    spread: float = 0.25
+    alpha: float = 0.3
+
+    @property
+    def seconds(self) -> float:
+        return min(self.ceiling, max(self.floor, 2 * self.spread))
+
+    def observe(self, spread: float) -> None:
+        self.spread = (1 - self.alpha) * self.spread + self.alpha * max(spread, 0.0)
+
+
 def format_hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -111,6 +130,7 @@ class MoshpitNode:
         self.server = AveragerServer(self._handle_join, self._handle_state, config.max_message)
         self.registry = RoundRegistry(config.part_bytes * 2 + 4096)
         self.deadlines = DeadlinePolicy()
+        self._settle = SettlePolicy()
         self.fault = FaultPlan.from_env()
         self.data_endpoint = ""
         self.matchmakers: dict[str, Matchmaker] = {}
@@ -260,7 +280,7 @@ class MoshpitNode:
             key=key, schema_hash=schema_hash(request.specs, request.codec), weight=weight,
             target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, expected=expected, codec=request.codec,
-            client_mode=self.config.client_mode,
+            client_mode=self.config.client_mode, settle_seconds=self._settle.seconds,
         )
         me = Self(self.peer_id, self.grpc_endpoint, self.data_endpoint, self.config.bandwidth)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher)
@@ -277,6 +297,8 @@ class MoshpitNode:
         finally:
             del self.matchmakers[key]
         assembled = time.monotonic()
+        if mm.last_join and group.members[0].peer_id == self.peer_id:  # we led it
+            self._settle.observe(mm.last_join - start)
         log.debug("group %s assembled: %s", group.group_id.hex()[:8],
                   [m.peer_id.hex()[:6] for m in group.members])
         self.metrics.matchmaking_duration.observe(assembled - start)

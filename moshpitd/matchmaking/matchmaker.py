@@ -44,7 +44,6 @@ MAX_POLL = 0.5
 
 LONELY_GRACE = 0.2
 RETRY_ASK = 0.25  # how soon to ask a leader again that turned us away
-SETTLE_SECONDS = 0.5  # without a grid: how long a complete-looking group must stay unchanged
 
 
 @dataclass
@@ -75,6 +74,7 @@ class Matchmaker:
         self._declared_now: set[bytes] = set()
         self._stable_members: frozenset[bytes] = frozenset()
         self._stable_since = 0.0
+        self.last_join = 0.0  # when the latest follower joined us (to learn arrival spread)
         self._version = 0
         self._asking: bytes | None = None  # the peer we are asking to lead us, if any
 
@@ -211,7 +211,7 @@ class Matchmaker:
         if outside or members != self._stable_members:
             self._stable_members, self._stable_since = members, now
             return False
-        return now - self._stable_since >= SETTLE_SECONDS
+        return now - self._stable_since >= self.req.settle_seconds
 
     def _check_lonely(self, candidates: list[Candidate], status: LineStatus, now: float) -> None:
         """Nobody on our line is coming: keep our value instead of waiting for the deadline."""
@@ -346,6 +346,7 @@ class Matchmaker:
             return
         follower = _Follower(request)
         self.followers[request.peer_id] = follower
+        self.last_join = time.monotonic()
         self._wake.set()
         try:
             yield pb.JoinResponse(code=pb.ACCEPTED)

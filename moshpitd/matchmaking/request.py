@@ -16,9 +16,12 @@ class MatchRequest:
     client_mode: bool = False
     attempt_seconds: float = 5.0
     # Peers known to be coming (grid line-mates). None: unknown, so assemble once everyone
-    # declared under the key has joined and nothing changed for SETTLE_SECONDS.
+    # declared under the key has joined and nothing changed for settle_seconds.
     expected: frozenset[bytes] | None = None
     codec: str = "none"
+    # Without a grid, how long a complete-looking group must stay unchanged before it
+    # assembles below its target; the node learns it from how late followers used to arrive.
+    settle_seconds: float = 0.5
 
 
 @dataclass(frozen=True)
