@@ -137,12 +137,14 @@ class LocalSwarm:
             first = start_daemon("d0", self.workdir, log_level=self.log_level,
                                  extra_args=self.extra_args, env=self.env_by_index.get(0))
             self.daemons.append(first)
-            rest = [start_daemon(f"d{i}", self.workdir, [first.dht], self.log_level,
+            rest = []
+            for i in range(1, self.size):  # owned as soon as started: stop() reaches them all
+                d = start_daemon(f"d{i}", self.workdir, [first.dht], self.log_level,
                                  self.extra_args, wait=False, env=self.env_by_index.get(i))
-                    for i in range(1, self.size)]
+                self.daemons.append(d)
+                rest.append(d)
             for d in rest:
                 wait_ready(d)
-                self.daemons.append(d)
         except BaseException:
             self.stop()
             raise
