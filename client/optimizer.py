@@ -158,10 +158,12 @@ class Optimizer:
         finished and applied first."""
         self.finish()
         group = max(self.group_size, min_group_size or 0)
+        # A peer still in its last regular round (its partners already left for the sync)
+        # reaches the sync only when that round times out: wait long enough to include it.
         return self._average_blocking(dict(key=f"{self.key}/sync", grid=None,
                                            initial_coords=None, group_size=group,
                                            min_group_size=min_group_size or self.min_group_size,
-                                           timeout=timeout or self.timeout))
+                                           timeout=timeout or 2 * self.timeout + 5.0))
 
     def finish(self) -> None:
         """Wait for the round in flight (overlap mode) and apply it."""

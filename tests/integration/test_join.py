@@ -80,7 +80,7 @@ while opt.local_step < total:
             break
     print(json.dumps({"rank": rank, "epoch": epoch, "step": opt.local_step,
                       "loss": float(loss)}), flush=True)
-final = opt.sync(min_group_size=cfg["final_group"], timeout=30)
+final = opt.sync(min_group_size=cfg["final_group"])
 model.eval()
 with torch.no_grad():
     acc = float((model(x_test).argmax(1) == y_test).float().mean())
