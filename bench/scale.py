@@ -39,7 +39,7 @@ import torch
 import moshpit
 from bench.matchmaking import Usage, code_version
 from bench.procs import BenchError, Children, child_env
-from bench.scale_report import print_report
+from bench.scale_report import GOAL_MB, print_report
 from moshpitd.launcher import LaunchError, LocalSwarm
 from moshpitd.matchmaking.grid import Grid, GridError
 
