@@ -152,7 +152,9 @@ class Matchmaker:
                       len(candidates), len(self.followers),
                       sum(c.rank < my_rank for c in candidates))
             for cand in sorted(candidates, key=lambda c: c.rank):
-                if cand.rank >= my_rank or tried.get(cand.peer_id, 0.0) > time.monotonic():
+                # A client-mode peer never leads, so it may follow anyone: no cycle can form.
+                later = cand.rank >= my_rank and not self.req.client_mode
+                if later or tried.get(cand.peer_id, 0.0) > time.monotonic():
                     continue
                 if cand.declaration.client_mode:
                     continue
