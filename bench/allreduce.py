@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import statistics
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
+from bench.cli import exit_on_sigterm, positive, print_columns
 from bench.procs import BenchError
 from bench.runners import Samples, run_gloo, run_moshpit
 
@@ -27,13 +27,6 @@ def parse_elems(text: str) -> int:
     if m is None or int(m.group(1)) <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive count like 8M, got {text!r}")
     return int(m.group(1)) * SUFFIXES[m.group(2)]
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,12 +85,7 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None) -> None:
             ("allreduce_median_s", "reduce s"), ("ipc_overhead_median_s", "ipc s"),
             ("partial_rounds", "split")]
     cells = [[title for _, title in cols]] + [[fmt(r.get(k)) for k, _ in cols] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    for i, row in enumerate(cells):
-        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w)
-                        for j, (c, w) in enumerate(zip(row, widths, strict=True))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_columns(cells)
     if ratio is not None:
         print(f"\nratio moshpit median / gloo median: {ratio:.2f}x")
     for r in rows:
@@ -108,10 +96,6 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None) -> None:
           "daemon's own\ntime (match = matchmaking, reduce = daemon - match); ipc = call - "
           "daemon time (median\nover peers and repeats); split = repeats whose peers did not "
           "all form one group.")
-
-
-def _on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)  # unwinds through the cleanup of every child and daemon
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         args.min_group_size = args.peers
     if args.min_group_size > args.peers:
         parser.error("--min-group-size cannot exceed --peers")
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    exit_on_sigterm()
     rows: list[dict[str, Any]] = []
     try:
         if not args.skip_moshpit:

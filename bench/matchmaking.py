@@ -21,14 +21,14 @@ import argparse
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
+from bench.cli import exit_on_sigterm, print_columns
 from bench.procs import BenchError, Child, Children, child_env
 
 GOAL_SECONDS = 0.1
@@ -287,12 +287,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         r["warmup_mm"] = r["warmup"].get("matchmaking_s")
         r["full"] = f"{r['full_groups']}/{r['repeat']}"
     cells = [[title for _, title in cols]] + [[fmt(r.get(k)) for k, _ in cols] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    for i, row in enumerate(cells):
-        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w)
-                        for j, (c, w) in enumerate(zip(row, widths, strict=True))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_columns(cells)
     print()
     for line in (
         "mm = daemon-reported matchmaking_seconds (request to group assembled); call = the whole",
@@ -343,10 +338,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)  # unwinds through the cleanup of every child and daemon
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -361,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers < 2 or args.repeat < 1 or grid.size < 2:
         parser.error("need --peers >= 2, --repeat >= 1 and a grid side >= 2")
     cells = list(grid.all_cells())
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    exit_on_sigterm()
     common = {"timeout": args.timeout}
     rows = []
     try:

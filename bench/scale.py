@@ -32,11 +32,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 import moshpit
+from bench.cli import exit_on_sigterm
 from bench.matchmaking import Usage, code_version
 from bench.procs import BenchError, Children, child_env
 from bench.scale_report import GOAL_MB, print_report
@@ -284,10 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)  # unwinds through the swarm's context manager
-
-
 def run(args: argparse.Namespace, grid: Grid) -> dict[str, Any]:
     report: dict[str, Any] = {"daemons": args.max, "grid": "x".join([str(grid.size)] * grid.dims),
                               "code": code_version(),
@@ -357,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             grid = Grid(side, 3)
     except GridError as exc:
         parser.error(str(exc))
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    exit_on_sigterm()
     try:
         report = run(args, grid)
     except BenchError as exc:

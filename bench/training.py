@@ -23,7 +23,6 @@ import json
 import math
 import queue
 import re
-import signal
 import statistics
 import sys
 import tempfile
@@ -32,10 +31,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
+from bench.cli import exit_on_sigterm, positive
 from bench.procs import BenchError, Child, Children, child_env
 from bench.runners import free_port
 
@@ -305,17 +305,6 @@ def print_table(runs: list[Run], args: argparse.Namespace) -> None:
              " (its daemon stays up, idle)."))
 
 
-def _on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)  # unwinds through the cleanup of every child and daemon
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--peers must be at least 3: after a kill moshpit needs a group of two")
     if args.epochs < 2:
         parser.error("--epochs must be at least 2 to kill a process halfway")
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    exit_on_sigterm()
     from demo.model import save_split
 
     started = time.monotonic()

@@ -1,14 +1,12 @@
 """moshpit.Optimizer: Moshpit SGD (Ryabinin et al. 2021, Algorithm 2) around any torch optimizer.
 
-Every `average_every` local steps the parameters (and optionally model buffers and optimizer
-state) are averaged through the local moshpitd with the peers training under the same key,
-weighted by the samples each peer processed since its last successful round. Averaging is
-best-effort: a failed round keeps the local values and training goes on.
+Every `average_every` local steps the parameters (optionally buffers and optimizer state) are
+averaged with the peers under the same key, weighted by samples since the last successful
+round. Best-effort: a failed round keeps the local values and training goes on.
 
-With overlap=True the round runs in a background thread on a snapshot while local steps go on;
-the result is applied as a delta, p += averaged - snapshot, so the progress made meanwhile is
-kept. The delta is applied on the training thread, inside step(), and only once the round has
-returned completely: a buffer the daemon is still writing is never read.
+With overlap=True the round averages a snapshot in a background thread while local steps go
+on; p += averaged - snapshot is applied on the training thread, inside step(), only once the
+round has returned completely: a buffer the daemon is still writing is never read.
 """
 
 from __future__ import annotations
@@ -16,62 +14,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from moshpit.client import Client, RoundInfo
 from moshpit.errors import DaemonUnavailable, MoshpitError
+from moshpit.trainer_state import (
+    AveragingClient,
+    PendingRound,
+    apply_delta,
+    download,
+    named_tensors,
+    publish,
+    stays_non_negative,
+    wire_dtype,
+)
 
 log = logging.getLogger(__name__)
-
-_WIRE_DTYPES = (torch.float16, torch.float32, torch.float64)
-# Second moments and variances: never negative. In overlap mode a local decay since the snapshot
-# plus a smaller group average could push them below zero (NaN in Adam's sqrt), so they are
-# clamped at 0 after the delta. Matched as name suffixes (state.<i>.<key>, buffer.<name>).
-_NON_NEGATIVE = ("exp_avg_sq", "square_avg", "acc_delta", ".sum", "exp_inf", "running_var")
-# Integer-valued counters: averaging them would be meaningless (Adam's bias correction must
-# follow this peer's own step count), so they stay local.
-_LOCAL_STATE_KEYS = frozenset({"step"})
-
-
-class AveragingClient(Protocol):
-    """What the optimizer needs from a client (moshpit.Client, or a fake in tests)."""
-
-    last_round: RoundInfo | None
-
-    def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
-                timeout: float = 30.0, group_size: int = 16, min_group_size: int = 2,
-                grid: tuple[int, int] | None = None, rounds: int = 1,
-                initial_coords: Sequence[int] | None = None,
-                codec: str = "none") -> list[torch.Tensor]: ...
-
-    def share(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
-
-
-@dataclass
-class _Pending:
-    """A round running in the background (overlap mode)."""
-
-    future: Future[tuple[list[torch.Tensor], RoundInfo | None]]
-    names: list[str]
-    snapshot: list[torch.Tensor]  # private copies of the tensors at launch, never shared
-    samples: int  # the weight sent: subtracted from the sample count once the round succeeds
-
 
 class Optimizer:
     """Wraps a torch optimizer; step() takes a local step and averages every few steps.
 
-    The averaged list is params (param_groups order), then the model's float buffers
-    (`model.named_buffers()` order), then with average_state=True each param's float state
-    tensors in sorted key order; step counters ("step") stay local. The list is fixed at the
-    first round after the first step (lazily created state exists by then), so every peer
-    submits the same shapes in the same order. Tensors of other float dtypes (bf16) travel as
-    float32. Give LR schedulers `opt.optimizer`.
+    What is averaged is named in moshpit.trainer_state (step counters stay local). The list is
+    fixed at the first round after the first step (lazily created state exists by then), so
+    every peer submits the same shapes in the same order; bf16 travels as float32. Give LR
+    schedulers `opt.optimizer`.
 
     `client` is a moshpit.Client or a socket path; after a DaemonUnavailable the next round
     opens a new connection to the same socket (a fresh Client replaces `opt.client`).
@@ -121,7 +92,7 @@ class Optimizer:
 
         self._names: list[str] | None = None  # the averaged list, frozen after the first step
         self._wire: list[torch.Tensor] | None = None  # buffers handed to the client
-        self._pending: _Pending | None = None
+        self._pending: PendingRound | None = None
         self._warned_new: set[str] = set()
         if isinstance(client, str):
             try:
@@ -185,7 +156,6 @@ class Optimizer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- pass-through -----------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
@@ -231,27 +201,10 @@ class Optimizer:
                 f"rounds_done={self.rounds_done}, failed_rounds={self.failed_rounds})")
 
     # --- what is averaged -------------------------------------------------------------------
-    def _candidates(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Everything averageable now, named stably across peers, in the averaging order."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for i, p in enumerate(params):
-            yield f"param.{i}", p
-        if self.model is not None:
-            for name, buf in self.model.named_buffers():
-                if buf.is_floating_point():
-                    yield f"buffer.{name}", buf
-        if self.average_state:
-            for i, p in enumerate(params):
-                state = self.optimizer.state.get(p, {})
-                for k in sorted(state, key=str):
-                    value = state[k]
-                    if (str(k) not in _LOCAL_STATE_KEYS and isinstance(value, torch.Tensor)
-                            and value.is_floating_point() and value.numel() > 0):
-                        yield f"state.{i}.{k}", value
-
     def _tensors(self) -> tuple[list[str], list[torch.Tensor]]:
         """The averaged tensors of this round; the list is frozen once a step has been taken."""
-        found = dict(self._candidates())
+        found = dict(named_tensors(self.optimizer, self.model,
+                                   "averaged" if self.average_state else "none"))
         if self._names is None:
             names = list(found)
             if self.local_step == 0:  # optimizer state does not exist yet: do not freeze
@@ -270,9 +223,9 @@ class Optimizer:
         """CPU tensors handed to the client; shared with the daemon when it can, reused."""
         wire = self._wire
         if wire is None or len(wire) != len(tensors) or any(
-                w.shape != t.shape or w.dtype != _wire_dtype(t)
+                w.shape != t.shape or w.dtype != wire_dtype(t)
                 for w, t in zip(wire, tensors, strict=True)):
-            blank = [torch.empty(t.shape, dtype=_wire_dtype(t)) for t in tensors]
+            blank = [torch.empty(t.shape, dtype=wire_dtype(t)) for t in tensors]
             wire = blank
             if self.share_memory and self.client is not None:
                 try:
@@ -370,7 +323,7 @@ class Optimizer:
             except BaseException as exc:  # handed to the training thread by _poll
                 future.set_exception(exc)
 
-        self._pending = _Pending(future, names, snapshot, samples)
+        self._pending = PendingRound(future, names, snapshot, samples)
         threading.Thread(target=run, name=f"moshpit-average-{self.key}", daemon=True).start()
 
     def _poll(self) -> None:
@@ -393,14 +346,8 @@ class Optimizer:
 
     def _apply_delta(self, tensors: list[torch.Tensor], snapshot: list[torch.Tensor],
                      averaged: list[torch.Tensor], names: list[str]) -> None:
-        """t += averaged - snapshot: the group's correction, keeping local progress since.
-
-        Variances and second moments are clamped at 0 (see _NON_NEGATIVE)."""
-        with torch.no_grad():
-            for t, s, a, name in zip(tensors, snapshot, averaged, names, strict=True):
-                t.add_(a.to(device=s.device, dtype=s.dtype) - s)
-                if stays_non_negative(name):
-                    t.clamp_(min=0)
+        """t += averaged - snapshot: the group's correction, keeping local progress since."""
+        apply_delta(tensors, snapshot, averaged, names)
 
     def _succeeded(self, samples: int, info: RoundInfo | None) -> None:
         self._samples -= samples
@@ -415,32 +362,15 @@ class Optimizer:
     def state_key(self) -> str:
         return f"{self.key}/state"
 
-    def _state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
-        """Everything a joiner needs: parameters, float buffers and all optimizer state
-        tensors (step counters included, as they are)."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        named: list[tuple[str, torch.Tensor]] = [(f"param.{i}", p) for i, p in enumerate(params)]
-        if self.model is not None:
-            named += [(f"buffer.{n}", b) for n, b in self.model.named_buffers()
-                      if b.is_floating_point()]
-        for i, p in enumerate(params):
-            for k, v in sorted(self.optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
-                if isinstance(v, torch.Tensor) and v.dtype in _WIRE_DTYPES and v.numel() > 0:
-                    named.append((f"state.{i}.{k}", v))
-        return [n for n, _ in named], [t.detach() for _, t in named]
-
     def publish_state(self) -> bool:
         """Hand this peer's state to its daemon, which serves it to peers that join later
         (without blocking this trainer). Peers at the same local step publish the same
         version, so a joiner downloads from several of them at once."""
-        client = self.client
-        if client is None or not hasattr(client, "publish_state"):
+        if self.client is None or not hasattr(self.client, "publish_state"):
             return False
-        names, tensors = self._state_tensors()
         try:
-            client.publish_state(self.state_key, tensors,
-                                 {"names": names, "local_step": self.local_step},
-                                 version=max(self.local_step, 1), timeout=self.timeout)
+            publish(self.client, self.state_key, self.optimizer, self.model, self.local_step,
+                    self.timeout)
         except MoshpitError as exc:
             log.warning("moshpit %s: publishing state failed: %s", self.key, exc)
             return False
@@ -451,33 +381,11 @@ class Optimizer:
         counter, downloaded from peers' daemons. Call it before the first step of a trainer
         that joins a running job; returns the local step it resumes at. Raises
         moshpit.StateUnavailable if no peer answers within `timeout`."""
-        if not self._connect() or self.client is None or not hasattr(self.client,
-                                                                     "download_state"):
+        if not self._connect() or not isinstance(self.client, Client):
             raise DaemonUnavailable("no daemon to download the state through")
-        tensors, meta = self.client.download_state(self.state_key, timeout=timeout)
-        names = meta.get("names")
-        if not isinstance(names, list) or len(names) != len(tensors):
-            raise MoshpitError("the downloaded state does not describe its tensors")
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        buffers = dict(self.model.named_buffers()) if self.model is not None else {}
-        with torch.no_grad():
-            for name, value in zip(names, tensors, strict=True):
-                kind, _, rest = str(name).partition(".")
-                if kind == "param":
-                    target: torch.Tensor | None = params[int(rest)]
-                elif kind == "buffer":
-                    target = buffers.get(rest)
-                else:
-                    index, _, key = rest.partition(".")
-                    state = self.optimizer.state[params[int(index)]]
-                    state[key] = value.clone().to(params[int(index)].device)
-                    continue
-                if target is None or target.shape != value.shape:
-                    raise MoshpitError(f"downloaded {name} does not fit this model")
-                target.copy_(value)
-        self.local_step = int(meta.get("local_step", 0))
-        self._since_round = 0
-        self._samples = 0
+        self.local_step = download(self.client, self.state_key, self.optimizer, self.model,
+                                   timeout)
+        self._since_round = self._samples = 0
         return self.local_step
 
     def _failed(self, exc: MoshpitError, what: str) -> None:
@@ -489,13 +397,4 @@ class Optimizer:
         log.warning("moshpit %s: %s: %s", self.key, what, exc)
 
 
-def stays_non_negative(name: str) -> bool:
-    """Whether the averaged tensor `name` (state.<i>.<key>, buffer.<name>) is a variance."""
-    return not name.startswith("param.") and name.endswith(_NON_NEGATIVE)
-
-
-def _wire_dtype(t: torch.Tensor) -> torch.dtype:
-    return t.dtype if t.dtype in _WIRE_DTYPES else torch.float32
-
-
-__all__ = ["AveragingClient", "Optimizer"]
+__all__ = ["AveragingClient", "Optimizer", "stays_non_negative"]

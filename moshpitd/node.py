@@ -29,6 +29,7 @@ from moshpitd.matchmaking.matchmaker import (
     Self,
     not_looking,
 )
+from moshpitd.matchmaking.request import SettlePolicy
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
 from moshpitd.metrics import Metrics
 from moshpitd.proto import moshpit_pb2 as pb
@@ -40,25 +41,6 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT = 1.0
 LAG_TICK = 0.1
 LAG_WARN = 0.25
-
-
-@dataclass
-class SettlePolicy:
-    """How long a leader below its target waits for latecomers once everyone declared has
-    joined: twice the usual arrival spread of its followers, within [floor, ceiling]. After a
-    peer leaves for good, later rounds then lose tens of milliseconds, not half a second."""
-
-    floor: float = 0.05
-    ceiling: float = 0.5
-    spread: float = 0.25
-    alpha: float = 0.3
-
-    @property
-    def seconds(self) -> float:
-        return min(self.ceiling, max(self.floor, 2 * self.spread))
-
-    def observe(self, spread: float) -> None:
-        self.spread = (1 - self.alpha) * self.spread + self.alpha * max(spread, 0.0)
 
 
 def format_hostport(host: str, port: int) -> str:

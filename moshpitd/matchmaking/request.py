@@ -42,3 +42,22 @@ class Self:
     endpoint: str
     data_endpoint: str = ""
     bandwidth: float = 1.0
+
+
+@dataclass
+class SettlePolicy:
+    """How long a leader below its target waits for latecomers once everyone declared has
+    joined: twice the usual arrival spread of its followers, within [floor, ceiling]. After a
+    peer leaves for good, later rounds then lose tens of milliseconds, not half a second."""
+
+    floor: float = 0.05
+    ceiling: float = 0.5
+    spread: float = 0.25
+    alpha: float = 0.3
+
+    @property
+    def seconds(self) -> float:
+        return min(self.ceiling, max(self.floor, 2 * self.spread))
+
+    def observe(self, spread: float) -> None:
+        self.spread = (1 - self.alpha) * self.spread + self.alpha * max(spread, 0.0)
