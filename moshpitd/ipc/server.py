@@ -157,8 +157,6 @@ class Session:
         return {"size": size, "buffer": bid}
 
     def _start_average(self, msg: dict[str, Any], rid: Any) -> None:
-        if len(self.tasks) >= MAX_INFLIGHT:
-            raise RequestError(f"at most {MAX_INFLIGHT} requests in flight per session")
         key = _field(msg, "key", str, required=True)
         if not 0 < len(key) <= 256:
             raise RequestError("key must have 1..256 characters")
@@ -211,10 +209,7 @@ class Session:
             raise RequestError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
         request = AverageRequest(key, specs, weight, timeout, group_size, min_group, grid,
                                  rounds, coords, codec)
-        buffer = self.buffers[bid]
-        task = asyncio.create_task(self._average(request, buffer, rid))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._start_task(self._average(request, self.buffers[bid]), "average", rid)
 
     def _start_task(self, coro: Any, op: str, rid: Any) -> None:
         if len(self.tasks) >= MAX_INFLIGHT:
@@ -228,11 +223,13 @@ class Session:
         try:
             reply = {"ok": True, "id": rid, **(await coro)}
             self.node.metrics.ipc_requests.labels(op, "ok").inc()
-        except (RequestError, StateUnavailable, LayoutError, ValueError, TimeoutError) as exc:
+        except (RequestError, StateUnavailable, MatchmakingError, AllreduceError, LayoutError,
+                ValueError, TimeoutError) as exc:
             self.node.metrics.ipc_requests.labels(op, "error").inc()
             reply = {"ok": False, "id": rid, "error": type(exc).__name__, "message": str(exc)}
         except Exception as exc:  # a bug of ours: the trainer still gets an answer
             log.exception("ipc session %d: %s failed", self.number, op)
+            self.node.metrics.ipc_requests.labels(op, "error").inc()
             reply = {"ok": False, "id": rid, "error": "InternalError",
                      "message": f"daemon error: {exc!r}"}
         with contextlib.suppress(OSError):
@@ -274,30 +271,18 @@ class Session:
                                "first")
         return self.buffers[bid]
 
-    async def _average(self, request: AverageRequest, buffer: SharedBuffer, rid: Any) -> None:
-        try:
-            result = await self.node.average(request, buffer.view())
-            rec = result.last
-            reply = {"ok": True, "id": rid, "group_size": max(rec.group_size, 1),
-                     "seconds": sum(r.seconds for r in result.rounds),
-                     "matchmaking_seconds": sum(r.matchmaking_seconds for r in result.rounds),
-                     "bytes_sent": sum(r.bytes_sent for r in result.rounds),
-                     "bytes_received": sum(r.bytes_received for r in result.rounds),
-                     "round": result.last_round, "coords": result.coords,
-                     "group_sizes": [max(r.group_size, 1) for r in result.rounds],
-                     "spans": [list(span) for span in result.spans],
-                     "members": list(result.members), "owned": result.owned}
-            self.node.metrics.ipc_requests.labels("average", "ok").inc()
-        except (MatchmakingError, AllreduceError, LayoutError, ValueError) as exc:
-            self.node.metrics.ipc_requests.labels("average", "error").inc()
-            reply = {"ok": False, "id": rid, "error": type(exc).__name__, "message": str(exc)}
-        except Exception as exc:  # a bug of ours: the trainer still gets an answer
-            log.exception("ipc session %d: average failed", self.number)
-            self.node.metrics.ipc_requests.labels("average", "error").inc()
-            reply = {"ok": False, "id": rid, "error": "InternalError",
-                     "message": f"daemon error: {exc!r}"}
-        with contextlib.suppress(OSError):
-            await self.conn.write_frame(reply)
+    async def _average(self, request: AverageRequest, buffer: SharedBuffer) -> dict[str, Any]:
+        result = await self.node.average(request, buffer.view())
+        rounds = result.rounds
+        return {"group_size": max(result.last.group_size, 1),
+                "seconds": sum(r.seconds for r in rounds),
+                "matchmaking_seconds": sum(r.matchmaking_seconds for r in rounds),
+                "bytes_sent": sum(r.bytes_sent for r in rounds),
+                "bytes_received": sum(r.bytes_received for r in rounds),
+                "round": result.last_round, "coords": result.coords,
+                "group_sizes": [max(r.group_size, 1) for r in rounds],
+                "spans": [list(span) for span in result.spans],
+                "members": list(result.members), "owned": result.owned}
 
 
 class IPCServer:
