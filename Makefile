@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv test test-unit test-integration demo bench lint proto clean
+.PHONY: all venv system-deps test test-unit test-integration demo bench lint proto clean
 
 all: test
 
@@ -18,13 +18,35 @@ $(STAMP): setup.cfg pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# Commands some tests run, each with the Debian package that provides it. Missing ones are
+# installed when running as root with apt-get (as CI does on a bare Debian 12); otherwise the
+# tests that need them skip. `make test SYSTEM_DEPS=` leaves the system alone.
+SYSTEM_DEPS ?= prometheus:prometheus promtool:prometheus systemd-analyze:systemd \
+	ip:iproute2 nft:nftables
+
+system-deps:
+	@missing=""; \
+	for dep in $(SYSTEM_DEPS); do \
+		command -v "$${dep%%:*}" >/dev/null 2>&1 && continue; \
+		case " $$missing " in *" $${dep#*:} "*) ;; *) missing="$$missing $${dep#*:}" ;; esac; \
+	done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "system-deps: installing$$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing \
+			|| { echo "system-deps: apt-get failed; make test SYSTEM_DEPS= runs without them" >&2; exit 1; }; \
+	else \
+		echo "system-deps: commands missing from PATH (packages:$$missing); installing needs root and apt-get, so the tests that need them will skip"; \
+	fi
+
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q tests
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) system-deps
 	$(PY) -m pytest -q tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) system-deps
 	$(PY) -m pytest -q tests/integration
 
 demo: $(STAMP)
