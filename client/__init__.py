@@ -3,6 +3,7 @@
 from moshpit.client import Client, RoundInfo
 from moshpit.errors import (
     AllreduceFailed,
+    DaemonShuttingDown,
     DaemonUnavailable,
     DuplicateRequest,
     GridMismatch,
@@ -18,7 +19,7 @@ from moshpit.optimizer import Optimizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllreduceFailed", "Client", "DaemonUnavailable", "DuplicateRequest", "GridMismatch",
-    "GroupNotFound", "InvalidRequest", "MoshpitError", "Optimizer", "ProtocolError", "RoundInfo",
-    "SchemaMismatch", "StateUnavailable",
+    "AllreduceFailed", "Client", "DaemonShuttingDown", "DaemonUnavailable", "DuplicateRequest",
+    "GridMismatch", "GroupNotFound", "InvalidRequest", "MoshpitError", "Optimizer",
+    "ProtocolError", "RoundInfo", "SchemaMismatch", "StateUnavailable",
 ]

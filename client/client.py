@@ -22,7 +22,13 @@ import msgpack
 import numpy as np
 import torch
 
-from moshpit.errors import DaemonUnavailable, InvalidRequest, ProtocolError, from_reply
+from moshpit.errors import (
+    DaemonUnavailable,
+    InvalidRequest,
+    MoshpitError,
+    ProtocolError,
+    from_reply,
+)
 
 MAX_FRAME = 1 << 20
 ALIGN = 64
@@ -213,6 +219,12 @@ class Client:
         with self._lock:
             return list(self._request({"op": "rounds"}, timeout=10.0)["rounds"])
 
+    def peers(self) -> dict[str, Any]:
+        """{"contacts": [{peer_id, dht}], "runs": {run: [{peer_id, coords, round, grpc}]}}."""
+        with self._lock:
+            reply = self._request({"op": "peers"}, timeout=30.0)
+        return {"contacts": reply.get("contacts", []), "runs": reply.get("runs", {})}
+
     def close(self) -> None:
         self._sock.close()
         self._mmap = None
@@ -296,10 +308,21 @@ class Client:
         except TimeoutError as exc:
             raise DaemonUnavailable(f"no reply from moshpitd within {timeout:.1f} s") from exc
         except OSError as exc:
+            last = self._last_words()
+            if last is not None:  # it said why it went (a drain): raise that, not EPIPE
+                raise from_reply(last) from exc
             raise DaemonUnavailable(f"lost the connection to moshpitd: {exc}") from exc
         if not reply.get("ok"):
             raise from_reply(reply)
         return reply
+
+    def _last_words(self) -> dict[str, Any] | None:
+        """A frame the daemon sent before closing, if one is waiting unread."""
+        try:
+            reply = self._read_frame(time.monotonic() + 0.05)
+        except (OSError, MoshpitError, ValueError):
+            return None
+        return reply if reply.get("id") is None and not reply.get("ok") else None
 
     def _read_frame(self, deadline: float) -> dict[str, Any]:
         head = self._recv_exact(4, deadline)

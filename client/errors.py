@@ -11,6 +11,10 @@ class DaemonUnavailable(MoshpitError):
     """The daemon's socket cannot be reached, or it went away mid-request."""
 
 
+class DaemonShuttingDown(DaemonUnavailable):
+    """The daemon is draining (SIGTERM): it takes no new rounds; reconnect when it is back."""
+
+
 class ProtocolError(MoshpitError):
     """The daemon and this client do not understand each other."""
 
@@ -58,6 +62,7 @@ _BY_NAME: dict[str, type[MoshpitError]] = {
     "BufferError": InvalidRequest,
     "ValueError": InvalidRequest,
     "TooManySessions": DaemonUnavailable,
+    "ShuttingDown": DaemonShuttingDown,
 }
 
 

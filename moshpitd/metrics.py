@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import platform
+from collections.abc import Callable, Iterable, Mapping
 
+import grpc
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -14,6 +17,8 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from moshpitd import __version__
 
@@ -23,6 +28,9 @@ ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
+    """Every series the daemon exports. Names follow Prometheus conventions: `moshpitd_`
+    prefix, base units, `_total` on counters, and no peer ids in labels (unbounded)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -36,8 +44,12 @@ class Metrics:
                                               registry=r)
         self.group_size = Histogram("moshpitd_group_size", "Members of assembled groups",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
-        self.sent_bytes = Counter("moshpitd_sent_bytes", "Tensor bytes sent to peers", registry=r)
-        self.received_bytes = Counter("moshpitd_received_bytes", "Tensor bytes from peers",
+        self.sent_bytes = Counter("moshpitd_sent_bytes", "Tensor bytes sent to peers, by wire "
+                                  "codec", ["codec"], registry=r)
+        self.received_bytes = Counter("moshpitd_received_bytes", "Tensor bytes from peers, by "
+                                      "wire codec", ["codec"], registry=r)
+        self.excluded_parts = Counter("moshpitd_excluded_parts", "Parts this peer reduced "
+                                      "without a member's contribution, by fault", ["fault"],
                                       registry=r)
         self.dht_peers = Gauge("moshpitd_dht_peers", "Contacts in the DHT routing table",
                                registry=r)
@@ -45,10 +57,43 @@ class Metrics:
                                     ["op", "result"], registry=r)
         self.ipc_sessions = Gauge("moshpitd_ipc_sessions", "Connected trainer sessions",
                                   registry=r)
-        Info("moshpitd_build", "Build information", registry=r).info({"version": __version__})
+        self.draining = Gauge("moshpitd_draining", "1 while the daemon drains after SIGTERM",
+                              registry=r)
+        Info("moshpitd_build", "Build information", registry=r).info({
+            "version": __version__, "python": platform.python_version(),
+            "grpcio": grpc.__version__})
+        for result in ("ok", "partial", "alone", "matchmaking_failed", "allreduce_failed",
+                       "shutting_down"):
+            self.rounds.labels(result)  # every result present from the start, at 0
+
+    def observe_round(self, codec: str, sent: int, received: int,
+                      excluded: dict[str, int] | None = None) -> None:
+        self.sent_bytes.labels(codec).inc(sent)
+        self.received_bytes.labels(codec).inc(received)
+        for fault, parts in (excluded or {}).items():
+            self.excluded_parts.labels(fault).inc(parts)
+
+    def watch_dht(self, peers: Callable[[], int],
+                  rpcs: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
+        """Read at scrape time, so the numbers are never stale."""
+        self.dht_peers.set_function(peers)
+        self.registry.register(_DHTCollector(rpcs))
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+
+class _DHTCollector(Collector):
+    def __init__(self, rpcs: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
+        self.rpcs = rpcs
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("moshpitd_dht_rpcs", "DHT RPCs: received by name, sent "
+                                     "(any name) by whether the peer answered",
+                                     labels=["direction", "rpc", "result"])
+        for (direction, rpc, result), count in sorted(self.rpcs().items()):
+            family.add_metric([direction, rpc, result], count)
+        yield family
 
 
 class MetricsServer:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
@@ -17,26 +16,32 @@ from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundRe
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
-from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, TensorSpec, schema_hash
+from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, schema_hash
 from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
 from moshpitd.dht.network import DHTNode
 from moshpitd.matchmaking.errors import DuplicateRequest, GroupNotFound, NoPartners
-from moshpitd.matchmaking.grid import Grid, carried_weight
+from moshpitd.matchmaking.grid import carried_weight
 from moshpitd.matchmaking.matchmaker import (
     LineWatcher,
     Matchmaker,
     MatchRequest,
     Self,
     not_looking,
+    wait_background,
 )
 from moshpitd.matchmaking.request import SettlePolicy
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
 from moshpitd.metrics import Metrics
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.rounds import AverageRequest, AverageResult, RoundLog, RoundRecord
 from moshpitd.state import StateStore
 from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE, AveragerServer, ChannelPool
 
 log = logging.getLogger(__name__)
+
+
+class ShuttingDown(Exception):
+    """The daemon is draining: it takes no new rounds and left the one it was matching for."""
 
 PROBE_TIMEOUT = 1.0
 LAG_TICK = 0.1
@@ -53,6 +58,7 @@ class NodeConfig:
     dht_port: int = 0
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 0
+    advertise_host: str = ""  # how peers reach us; default grpc_host
     data_port: int = 0  # the data plane listens on grpc_host
     bandwidth: float = 1.0  # relative share of each vector this peer offers to reduce
     client_mode: bool = False
@@ -61,46 +67,6 @@ class NodeConfig:
     part_bytes: int = DEFAULT_PART_BYTES
     max_message: int = DEFAULT_MAX_MESSAGE
     matchmaking_seconds: float = 5.0
-
-
-@dataclass(frozen=True)
-class AverageRequest:
-    key: str
-    specs: tuple[TensorSpec, ...]
-    weight: float = 1.0
-    timeout: float = 30.0
-    group_size: int = 16
-    min_group_size: int = 2
-    grid: Grid | None = None
-    rounds: int = 1
-    initial_coords: tuple[int, ...] | None = None
-    codec: str = "none"
-
-
-@dataclass(frozen=True)
-class AverageResult:
-    rounds: tuple[RoundRecord, ...]
-    coords: tuple[int, ...] | None
-    last_round: int | None
-    spans: tuple[tuple[int, int, int], ...] = ()  # of the last all-reduce: start, stop, mask
-    members: tuple[str, ...] = ()  # peer ids of the last group, in mask bit order
-    owned: int = 0  # elements this peer reduced in the last all-reduce
-
-    @property
-    def last(self) -> RoundRecord:
-        return self.rounds[-1]
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    key: str
-    group_size: int
-    bytes_sent: int
-    bytes_received: int
-    seconds: float
-    matchmaking_seconds: float
-    result: str
-    finished: float = field(default_factory=time.time)
 
 
 class MoshpitNode:
@@ -121,14 +87,17 @@ class MoshpitNode:
         self._last_spans: tuple[tuple[int, int, int], ...] = ()
         self._last_members: tuple[str, ...] = ()
         self._last_owned = 0
-        self.recent: deque[RoundRecord] = deque(maxlen=100)
-        self.rounds_done = 0
-        self.rounds_failed = 0
+        self.log = RoundLog(self.metrics)
         self.dht_addr = ("", 0)
         self.grpc_endpoint = ""
         self._bootstrap_task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
         self.states: StateStore | None = None
+        self.metrics.watch_dht(self.dht.peer_count, lambda: self.dht.protocol.rpcs
+                               if getattr(self.dht, "protocol", None) else {})
+        self.draining = False
+        self._finding: dict[str, asyncio.Task[Group]] = {}  # key -> matchmaking in progress
+        self._requests: set[asyncio.Task[Any]] = set()
 
     @property
     def peer_id(self) -> bytes:
@@ -138,9 +107,9 @@ class MoshpitNode:
         c = self.config
         self.dht_addr = await self.dht.start(c.dht_host, c.dht_port)
         port = await self.server.start(c.grpc_host, c.grpc_port)
-        self.grpc_endpoint = format_hostport(c.grpc_host, port)
+        self.grpc_endpoint = format_hostport(c.advertise_host or c.grpc_host, port)
         dport = await self.registry.start(c.grpc_host, c.data_port)
-        self.data_endpoint = format_hostport(c.grpc_host, dport)
+        self.data_endpoint = format_hostport(c.advertise_host or c.grpc_host, dport)
         self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint)
         self._lag_task = asyncio.create_task(self._watch_loop_lag())
         if c.bootstrap:
@@ -161,12 +130,35 @@ class MoshpitNode:
         delay = 0.5
         while True:
             await asyncio.sleep(delay)
-            self.metrics.dht_peers.set(self.dht.peer_count())
             if self.dht.peer_count() == 0:
                 await self.dht.join(list(self.config.bootstrap))
                 delay = min(delay * 2, 10.0)
             else:
                 delay = 5.0
+
+    async def drain(self, timeout: float) -> None:
+        """Leave the swarm cleanly: rounds still matching are left at once (our followers are
+        released, our declarations withdrawn), rounds already averaging finish within
+        `timeout`, and our DHT records are withdrawn so nobody waits for us."""
+        self.draining = True
+        await self.server.draining()
+        for task in self._finding.values():
+            task.cancel("daemon is draining")
+        if self._requests:
+            await asyncio.wait(self._requests, timeout=timeout)
+        for task in self._requests:
+            task.cancel("daemon is draining")
+        withdrawals = [run.leave() for run in self.runs.values()]
+        if self.states is not None:
+            withdrawals.append(self.states.withdraw_all())
+        withdrawals.append(wait_background())
+        try:
+            async with asyncio.timeout(max(timeout, 1.0)):
+                await asyncio.gather(*withdrawals, return_exceptions=True)
+        except TimeoutError:
+            log.warning("drain: DHT withdrawals did not finish; the records expire by TTL")
+        heard = await self.dht.say_goodbye()
+        log.info("drain: %d DHT contact(s) told that we leave", heard)
 
     async def stop(self) -> None:
         for task in (self._bootstrap_task, self._lag_task):
@@ -184,23 +176,41 @@ class MoshpitNode:
             "grpc": self.grpc_endpoint,
             "data": self.data_endpoint,
             "dht_peers": self.dht.peer_count(),
-            "rounds_done": self.rounds_done,
-            "rounds_failed": self.rounds_failed,
+            "rounds_done": self.log.done,
+            "rounds_failed": self.log.failed,
+            "draining": self.draining,
             "active_keys": sorted(self.matchmakers),
             "runs": {name: {"grid": [r.grid.size, r.grid.dims], "coords": r.coords,
                             "round": r.round} for name, r in self.runs.items()},
         }
 
+    async def peers(self) -> dict[str, Any]:
+        """DHT contacts, and for each grid run the peers that declared a cell in it."""
+        contacts = [{"peer_id": bytes(n.id).hex(), "dht": format_hostport(n.ip, n.port)}
+                    for n in self.dht.contacts()]
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for name, run in self.runs.items():
+            entries = await run.peers()
+            runs[name] = [{"peer_id": pid.hex(), "coords": list(e.coords), "round": e.round,
+                           "grpc": e.endpoint, "joining": e.joining}
+                          for pid, e in sorted(entries.items())]
+        return {"contacts": contacts, "runs": runs}
+
     def recent_rounds(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.recent]
+        return [asdict(r) for r in self.log.recent]
 
     # --- one averaging request ------------------------------------------------------------
     async def average(self, request: AverageRequest, buffer: memoryview) -> AverageResult:
         view = FlatView(buffer, request.specs)
         view.check_finite()  # NaN or Inf is refused here, before it reaches any peer
+        if self.draining:
+            raise ShuttingDown("moshpitd is shutting down: it takes no new rounds")
         if request.key in self._active:
             raise DuplicateRequest(f"this daemon is already averaging under key {request.key!r}")
         self._active.add(request.key)
+        task = asyncio.current_task()
+        assert task is not None
+        self._requests.add(task)
         try:
             if request.grid is None:
                 rec, _ = await self._one_round(request.key, request, view, request.weight,
@@ -210,6 +220,7 @@ class MoshpitNode:
             return await self._grid_rounds(request, view)
         finally:
             self._active.discard(request.key)
+            self._requests.discard(task)
 
     async def _grid_rounds(self, request: AverageRequest, view: FlatView) -> AverageResult:
         grid = request.grid
@@ -241,7 +252,7 @@ class MoshpitNode:
                     group_weight = sum(m.weight for m in group.members)
                     members = len(group.members)
                 except GroupNotFound:  # nobody came: a group of one keeps its value
-                    rec = self.recent[-1]
+                    rec = self.log.recent[-1]
                     group_weight, members = weight, 1
             finally:
                 await run.finish(plan.round)
@@ -267,17 +278,32 @@ class MoshpitNode:
         me = Self(self.peer_id, self.grpc_endpoint, self.data_endpoint, self.config.bandwidth)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher)
         self.matchmakers[key] = mm
+        finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt else timeout))
+        self._finding[key] = finding
         try:
-            group = await mm.find_group(attempt if single_attempt else timeout)
+            try:
+                group = await finding
+            except asyncio.CancelledError:
+                this = asyncio.current_task()
+                if self.draining and finding.cancelled() and not (this and this.cancelling()):
+                    raise ShuttingDown("moshpitd is shutting down: it left this round while "
+                                       "matchmaking") from None
+                finding.cancel()
+                raise
         except NoPartners:
             self._last_spans, self._last_members = (), ()
-            self._record(key, 1, 0, 0, start, time.monotonic(), "alone")
+            self.log.record(key, 1, 0, 0, start, time.monotonic(), "alone", request.codec)
+            raise
+        except ShuttingDown:
+            self.log.record(key, 0, 0, 0, start, time.monotonic(), "shutting_down", request.codec)
             raise
         except BaseException:
-            self._record(key, 0, 0, 0, start, time.monotonic(), "matchmaking_failed")
+            self.log.record(key, 0, 0, 0, start, time.monotonic(), "matchmaking_failed",
+                         request.codec)
             raise
         finally:
             del self.matchmakers[key]
+            del self._finding[key]
         assembled = time.monotonic()
         if mm.last_join and group.members[0].peer_id == self.peer_id:  # we led it
             self._settle.observe(mm.last_join - start)
@@ -286,16 +312,22 @@ class MoshpitNode:
         self.metrics.matchmaking_duration.observe(assembled - start)
         self.metrics.group_size.observe(len(group.members))
         if sum(m.weight for m in group.members) <= 0:
-            self._record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed")
+            self.log.record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed",
+                         request.codec)
             raise AllreduceError(f"every member of the group under {key!r} has weight 0: "
                                  "there is no weighted mean")
-        result = await self._allreduce(group, view, final)
+        try:
+            result = await self._allreduce(group, view, final)
+        except BaseException:
+            self.log.record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed",
+                         request.codec)
+            raise
         self._last_spans = result.spans
         self._last_members = tuple(m.peer_id.hex() for m in group.members)
         self._last_owned = result.owned
         outcome = "ok" if result.parts_averaged == result.parts else "partial"
-        rec = self._record(key, result.group_size, result.bytes_sent, result.bytes_received,
-                           start, assembled, outcome)
+        rec = self.log.record(key, result.group_size, result.bytes_sent, result.bytes_received,
+                           start, assembled, outcome, group.codec, result.excluded_parts)
         return rec, group
 
     async def _allreduce(self, group: Group, view: FlatView, final: float) -> RoundResult:
@@ -330,24 +362,6 @@ class MoshpitNode:
         finally:
             call.cancel()
 
-    def _record(self, key: str, size: int, sent: int, received: int, start: float,
-                assembled: float, result: str) -> RoundRecord:
-        now = time.monotonic()
-        rec = RoundRecord(key, size, sent, received, now - start, assembled - start, result)
-        self.recent.append(rec)
-        self.metrics.rounds.labels(result).inc()
-        self.metrics.round_duration.observe(now - start)
-        self.metrics.sent_bytes.inc(sent)
-        self.metrics.received_bytes.inc(received)
-        if result in ("ok", "alone"):
-            self.rounds_done += 1
-            log.info("round key=%s group=%d sent=%d recv=%d mm=%.3fs total=%.3fs", key, size,
-                     sent, received, assembled - start, now - start)
-        else:
-            self.rounds_failed += 1
-            log.info("round key=%s result=%s after %.3fs", key, result, now - start)
-        return rec
-
     # --- gRPC handlers --------------------------------------------------------------------
     async def _handle_state(self, request: pb.StateRequest, context: aio.ServicerContext
                             ) -> AsyncIterator[pb.StateChunk]:
@@ -365,19 +379,3 @@ class MoshpitNode:
         async for response in mm.handle_join(request):
             yield response
 
-
-def specs_from_wire(tensors: Sequence[Any]) -> tuple[TensorSpec, ...]:
-    """Validate the IPC description of tensors: [[dtype, shape, offset], ...]."""
-    specs = []
-    for i, t in enumerate(tensors):
-        if not (isinstance(t, list | tuple) and len(t) == 3):
-            raise ValueError(f"tensor {i}: expected [dtype, shape, offset]")
-        dtype, shape, offset = t
-        if not isinstance(dtype, str) or not isinstance(offset, int) or isinstance(offset, bool):
-            raise ValueError(f"tensor {i}: dtype must be a string and offset an integer")
-        if not isinstance(shape, list | tuple) or not all(
-            isinstance(d, int) and not isinstance(d, bool) for d in shape
-        ) or len(shape) > 32:
-            raise ValueError(f"tensor {i}: shape must be a list of at most 32 integers")
-        specs.append(TensorSpec(dtype, tuple(shape), offset))
-    return tuple(specs)

@@ -71,6 +71,13 @@ class StateStore:
         await self.dht.store_sub(f"{key}/donors", self.peer_id, value, DONOR_TTL)
         return version
 
+    async def withdraw_all(self) -> None:
+        """A draining daemon stops offering its snapshots, so joiners do not pick it."""
+        keys = list(self.snapshots)
+        self.snapshots.clear()
+        await asyncio.gather(*(self.dht.withdraw_sub(f"{k}/donors", self.peer_id) for k in keys),
+                             return_exceptions=True)
+
     # --- serving ------------------------------------------------------------------------
     async def serve(self, request: pb.StateRequest,
                     context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,6 +56,7 @@ class RoundResult:
     seconds: float
     excluded: int  # bitmask of members whose contributions were cut short
     owned: int = 0  # elements this peer reduced for the group
+    excluded_parts: dict[str, int] = field(default_factory=dict)  # fault kind -> parts
 
 
 class _SenderSlot:
@@ -88,17 +89,18 @@ class _SenderSlot:
                 values = self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run])
                 self.rnd.contribute(p, self.sender, values)
             except (ReductionError, CodecError) as exc:
-                self.rnd.exclude(self.sender, str(exc))
+                self.rnd.exclude(self.sender, str(exc), "bad_data")
                 self.channel.abort(exc)
         elif kind == ABORT:
-            self.rnd.exclude(self.sender, f"it aborted: {bytes(payload).decode(errors='replace')}")
+            self.rnd.exclude(self.sender, f"it aborted: {bytes(payload).decode(errors='replace')}",
+                             "aborted")
         else:
-            self.rnd.exclude(self.sender, f"unexpected frame kind {kind}")
+            self.rnd.exclude(self.sender, f"unexpected frame kind {kind}", "protocol")
             self.channel.abort(f"unexpected frame kind {kind}")
 
     def on_close(self, exc: BaseException | None) -> None:
         if self.expected:
-            self.rnd.exclude(self.sender, f"its stream closed ({exc or 'EOF'})")
+            self.rnd.exclude(self.sender, f"its stream closed ({exc or 'EOF'})", "disconnected")
 
     async def write_results(self) -> None:
         """Results go back in the order parts become final."""
@@ -162,7 +164,7 @@ class _OwnerLink:
         if self.waiting and self.failure is None:
             self.fail(f"stream closed ({exc or 'EOF'})")
             # Closed without a word: its daemon is gone, so stop waiting for its parts too.
-            self.rnd.exclude(self.owner, "its connection dropped")
+            self.rnd.exclude(self.owner, "its connection dropped", "disconnected")
 
     def fail(self, why: str) -> None:
         if self.failure is None and self.waiting:
@@ -193,6 +195,7 @@ class ButterflyRound:
         self.reducer = PartReducer(self.my_parts, self.dtypes, senders=len(group.members))
         self.applied: dict[int, int] = {}  # part -> bitmask averaged into our buffer (0: local)
         self.slots: dict[int, _SenderSlot] = {}
+        self.excluded_parts: dict[str, int] = {}
         self._payloads: dict[int, memoryview] = {}
         self._own_done = asyncio.Event()
         self._pending_own = {p.index for p in self.my_parts}
@@ -222,7 +225,7 @@ class ButterflyRound:
                     await self._own_done.wait()
             except TimeoutError:
                 for sender in self._incomplete_senders():
-                    self.exclude(sender, "silent past the round's deadline")
+                    self.exclude(sender, "silent past the round's deadline", "timeout")
             waits = [link.done.wait() for link in links]
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(deadline + grace - time.monotonic(), 0)):
@@ -260,12 +263,12 @@ class ButterflyRound:
         except ConnectionRefusedError as exc:
             # nobody listens there: it died, so do not wait for its parts either
             link.fail(f"cannot connect: {exc!r}")
-            self.exclude(link.owner, "its data plane refuses connections")
+            self.exclude(link.owner, "its data plane refuses connections", "disconnected")
         except (OSError, DataPlaneError) as exc:
             silent = link.failure is None  # no ABORT came: it died or broke the protocol
             link.fail(f"cannot stream to it: {exc!r}")
             if silent:
-                self.exclude(link.owner, f"its stream failed: {exc!r}")
+                self.exclude(link.owner, f"its stream failed: {exc!r}", "disconnected")
         except TimeoutError as exc:
             link.fail(f"cannot stream to it: {exc!r}")
 
@@ -304,9 +307,11 @@ class ButterflyRound:
         if self.reducer.add(part.index, sender, w, values, trusted=sender == self.me):
             self._finalise(part.index)
 
-    def exclude(self, sender: int, why: str) -> None:
+    def exclude(self, sender: int, why: str, fault: str = "other") -> None:
         if self.reducer.excluded >> sender & 1:
             return
+        lacking = self.reducer.lacking(sender)
+        self.excluded_parts[fault] = self.excluded_parts.get(fault, 0) + lacking
         log.info("excluding member %d of group %s: %s", sender, self.group.group_id.hex()[:8],
                  why)
         for index in self.reducer.exclude(sender):
@@ -356,4 +361,4 @@ class ButterflyRound:
         averaged = sum(1 for p in self.parts if self.applied.get(p.index, 0))
         return RoundResult(len(self.group.members), len(self.parts), averaged, tuple(spans),
                            self.bytes_sent, self.bytes_received, seconds, self.reducer.excluded,
-                           sum(p.numel for p in self.my_parts))
+                           sum(p.numel for p in self.my_parts), dict(self.excluded_parts))

@@ -230,3 +230,20 @@ class FlatView:
         for arr, lo, hi in self._pieces(part):
             arr[lo:hi] = values[pos:pos + hi - lo]
             pos += hi - lo
+
+
+def specs_from_wire(tensors: Sequence[Any]) -> tuple[TensorSpec, ...]:
+    """Validate the IPC description of tensors: [[dtype, shape, offset], ...]."""
+    specs = []
+    for i, t in enumerate(tensors):
+        if not (isinstance(t, list | tuple) and len(t) == 3):
+            raise ValueError(f"tensor {i}: expected [dtype, shape, offset]")
+        dtype, shape, offset = t
+        if not isinstance(dtype, str) or not isinstance(offset, int) or isinstance(offset, bool):
+            raise ValueError(f"tensor {i}: dtype must be a string and offset an integer")
+        if not isinstance(shape, list | tuple) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ) or len(shape) > 32:
+            raise ValueError(f"tensor {i}: shape must be a list of at most 32 integers")
+        specs.append(TensorSpec(dtype, tuple(shape), offset))
+    return tuple(specs)

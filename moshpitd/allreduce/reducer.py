@@ -72,6 +72,11 @@ class PartReducer:
         slot.mask |= bit
         return self.is_final(part_index)
 
+    def lacking(self, sender: int) -> int:
+        """How many of our parts have nothing from sender yet."""
+        bit = 1 << sender
+        return sum(1 for slot in self._slots.values() if not slot.mask & bit)
+
     def exclude(self, sender: int) -> list[int]:
         """Stop waiting for sender; returns the parts that became final because of it."""
         bit = 1 << sender

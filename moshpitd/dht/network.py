@@ -49,13 +49,14 @@ def normalise_host(host: str) -> str:
     return str(addr)
 
 
-async def resolve(hostport: tuple[str, int]) -> tuple[str, int]:
-    """kademlia takes IP addresses only: resolve names first."""
+async def resolve(hostport: tuple[str, int]) -> list[tuple[str, int]]:
+    """kademlia takes IP addresses only: resolve names first, to every address they have
+    (a headless Kubernetes Service names every daemon of the swarm)."""
     host, port = hostport
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     if not infos:
         raise DHTError(f"cannot resolve bootstrap host {host!r}")
-    return normalise_host(str(infos[0][4][0])), port
+    return list(dict.fromkeys((normalise_host(str(info[4][0])), port) for info in infos))
 
 
 class DHTNode(Server):
@@ -87,17 +88,37 @@ class DHTNode(Server):
 
     async def join(self, addrs: list[tuple[str, int]]) -> int:
         """Bootstrap from host:port pairs; returns how many contacts answered."""
-        resolved = []
+        resolved: list[tuple[str, int]] = []
         for addr in addrs:
             try:
-                resolved.append(await resolve(addr))
+                resolved.extend(await resolve(addr))
             except (OSError, DHTError) as exc:
                 log.warning("bootstrap %s:%s: %s", addr[0], addr[1], exc)
         if resolved:
             await self.bootstrap(resolved)
         return self.peer_count()
 
+    async def say_goodbye(self, timeout: float = 1.0) -> int:
+        """Tell every contact we leave; returns how many heard it."""
+        contacts = self.contacts()
+        if not contacts:
+            return 0
+        try:
+            async with asyncio.timeout(timeout):
+                heard = await asyncio.gather(*(self.protocol.call_leave(n) for n in contacts),
+                                             return_exceptions=True)
+        except TimeoutError:
+            return 0
+        return sum(1 for h in heard if h is True)
+
+    def contacts(self) -> list[Node]:
+        if self.protocol is None:
+            return []
+        return [n for b in self.protocol.router.buckets for n in b.get_nodes()]
+
     def peer_count(self) -> int:
+        if self.protocol is None:
+            return 0
         return sum(len(b) for b in self.protocol.router.buckets)
 
     def next_version(self) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from typing import Any
 
 import umsgpack
@@ -20,6 +22,7 @@ from moshpitd.dht.storage import SubkeyStorage
 log = logging.getLogger(__name__)
 
 MAX_DATAGRAM = 65507
+DEPARTED_SECONDS = 60.0
 ID_BYTES = 20
 
 
@@ -36,6 +39,9 @@ class SubkeyProtocol(KademliaProtocol):
         super().__init__(source_node, storage, ksize)
         self._wait_timeout = wait_timeout
         self.malformed = 0
+        # (direction, rpc, result) -> count, read by the metrics collector at scrape time
+        self.rpcs: Counter[tuple[str, str, str]] = Counter()
+        self.departed: dict[bytes, float] = {}  # said goodbye -> until when we ignore it
 
     # --- datagram handling: never let a peer's bytes raise inside an unowned task ----------
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
@@ -64,6 +70,7 @@ class SubkeyProtocol(KademliaProtocol):
         func = getattr(self, f"rpc_{name}", None)
         if func is None or not isinstance(args, list | tuple):
             self.malformed += 1
+            self.rpcs["received", "unknown", "malformed"] += 1
             return
         try:
             response = func(address, *args)
@@ -71,8 +78,10 @@ class SubkeyProtocol(KademliaProtocol):
                 response = await response
         except Exception as exc:  # a handler rejecting bad arguments
             self.malformed += 1
+            self.rpcs["received", name, "malformed"] += 1
             log.debug("bad rpc_%s from %s: %r", name, address, exc)
             return
+        self.rpcs["received", name, "ok"] += 1
         reply = b"\x01" + msg_id + umsgpack.packb(response)
         if len(reply) > MAX_DATAGRAM:
             log.warning("reply to rpc_%s for %s is too large (%d bytes)", name, address, len(reply))
@@ -98,6 +107,26 @@ class SubkeyProtocol(KademliaProtocol):
         self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
         subs = self.storage.get_subs(key)
         return {"subs": [[sk, v, ver, ttl] for sk, (v, ver, ttl) in subs.items()]}
+
+    def rpc_leave(self, sender: tuple[str, int], nodeid: bytes) -> bool:
+        """A draining daemon says goodbye, so we stop routing to it now rather than after
+        timeouts. Only the contact at the sender's own address is dropped."""
+        if not _is_id(nodeid):
+            raise ValueError("malformed leave")
+        for contact in [n for b in self.router.buckets for n in b.get_nodes()]:
+            if contact.id == nodeid and (contact.ip, contact.port) == (sender[0], sender[1]):
+                self.router.remove_contact(contact)
+                # a late reply from it must not re-add it; ids are fresh per daemon start
+                now = time.monotonic()
+                self.departed = {k: t for k, t in self.departed.items() if t > now}
+                if len(self.departed) < 10_000:
+                    self.departed[bytes(nodeid)] = now + DEPARTED_SECONDS
+                return True
+        return False
+
+    async def call_leave(self, node: Node) -> bool:
+        result = await self.leave((node.ip, node.port), self.source_node.id)
+        return bool(result[0])
 
     # stock RPCs, hardened against wrong types
     def rpc_ping(self, sender: tuple[str, int], nodeid: bytes) -> bytes:
@@ -137,8 +166,16 @@ class SubkeyProtocol(KademliaProtocol):
         subs = result[1].get("subs")
         return subs if isinstance(subs, list) else None
 
+    def handle_call_response(self, result: Any, node: Node) -> Any:
+        self.rpcs["sent", "any", "ok" if result[0] else "timeout"] += 1
+        return super().handle_call_response(result, node)
+
     def welcome_if_new(self, node: Node) -> None:
         """Hand a newcomer the subkey records it is now among the closest holders of."""
+        if node.id == self.source_node.id:  # ourselves, e.g. via a name that lists us too
+            return
+        if self.departed.get(bytes(node.id), 0.0) > time.monotonic():
+            return
         if not self.router.is_new_node(node):
             return
         for key in self.storage.sub_keys():

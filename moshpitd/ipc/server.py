@@ -1,13 +1,4 @@
-"""IPC server: one session per trainer connection.
-
-Operations (each a msgpack map with "op"; replies carry the request's "id"):
-  hello                      -> peer id and version
-  attach {size}  + one fd    -> maps the trainer's memfd (replaces any earlier buffer)
-  average {key, tensors, weight, timeout, group_size, min_group_size}
-                             -> averages tensors in the buffer in place
-  status, rounds             -> daemon state for the CLI
-Any malformed frame gets an error reply; a frame that breaks the framing closes the connection.
-"""
+"""IPC server: the trainers' unix socket; one Session (moshpitd/ipc/session.py) per connection."""
 
 from __future__ import annotations
 
@@ -15,274 +6,17 @@ import asyncio
 import contextlib
 import errno
 import logging
-import math
 import os
 import socket
 import stat
-from typing import Any
 
-from moshpitd import __version__
-from moshpitd.allreduce.butterfly import AllreduceError
-from moshpitd.allreduce.codecs import CODECS
-from moshpitd.allreduce.layout import FlatView, LayoutError
-from moshpitd.ipc.buffer import BufferError_, SharedBuffer
-from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
-from moshpitd.matchmaking.errors import MatchmakingError
-from moshpitd.matchmaking.grid import Grid, GridError
-from moshpitd.node import AverageRequest, MoshpitNode, specs_from_wire
-from moshpitd.state import StateUnavailable
+from moshpitd.ipc.framing import FramedSocket
+from moshpitd.ipc.session import Session
+from moshpitd.node import MoshpitNode
 
 log = logging.getLogger(__name__)
 
-MAX_BUFFER = 16 << 30
 MAX_SESSIONS = 64
-MAX_INFLIGHT = 8
-MAX_BUFFERS = 64
-
-
-class RequestError(Exception):
-    """A well-framed request with bad contents: answered with an error, session goes on."""
-
-
-def _field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
-           required: bool = False) -> Any:
-    if name not in msg:
-        if required:
-            raise RequestError(f"missing field {name!r}")
-        return default
-    value = msg[name]
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise RequestError(f"field {name!r} has the wrong type (bool)")
-    if not isinstance(value, kind):
-        raise RequestError(f"field {name!r} has the wrong type ({type(value).__name__})")
-    return value
-
-
-class Session:
-    def __init__(self, server: IPCServer, conn: FramedSocket, number: int) -> None:
-        self.server = server
-        self.node = server.node
-        self.conn = conn
-        self.number = number
-        self.buffers: dict[int, SharedBuffer] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
-        self._retired: list[SharedBuffer] = []
-
-    async def run(self) -> None:
-        try:
-            while True:
-                msg = await self.conn.read_frame()
-                await self.dispatch(msg)
-        except ConnectionClosed:
-            pass
-        except ProtocolError as exc:
-            log.info("ipc session %d: protocol error: %s", self.number, exc)
-            self.node.metrics.ipc_requests.labels("invalid", "error").inc()
-            with contextlib.suppress(OSError):
-                await self.conn.write_frame({"ok": False, "error": "ProtocolError",
-                                             "message": str(exc)})
-        except OSError as exc:
-            log.info("ipc session %d: connection error: %s", self.number, exc)
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for buf in [*self.buffers.values(), *self._retired]:
-            buf.close()
-        self.buffers.clear()
-        self.conn.close()
-
-    async def dispatch(self, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
-        rid = msg.get("id")
-        if not isinstance(rid, int | str | type(None)) or isinstance(rid, bool):
-            rid = None
-        try:
-            if not isinstance(op, str):
-                raise RequestError("field 'op' must be a string")
-            if op == "average":
-                self._start_average(msg, rid)
-                return
-            if op in ("publish_state", "state_info", "download_state"):
-                self._start_task(self._state_op(op, msg), op, rid)
-                return
-            handler = {"hello": self._hello, "attach": self._attach, "status": self._status,
-                       "rounds": self._rounds}.get(op)
-            if handler is None:
-                raise RequestError(f"unknown op {op!r}")
-            reply = handler(msg)
-            self.node.metrics.ipc_requests.labels(op, "ok").inc()
-            await self.conn.write_frame({"ok": True, "id": rid, **reply})
-        except (RequestError, BufferError_, LayoutError, ValueError) as exc:
-            self.node.metrics.ipc_requests.labels(str(op)[:16] if isinstance(op, str) else
-                                                  "invalid", "error").inc()
-            await self.conn.write_frame({"ok": False, "id": rid, "error": type(exc).__name__
-                                         .rstrip("_"), "message": str(exc)})
-
-    def _hello(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"peer_id": self.node.peer_id.hex(), "version": __version__}
-
-    def _status(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"status": self.node.status(), "metrics": self.server.metrics_endpoint,
-                "ipc": self.server.path}
-
-    def _rounds(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"rounds": self.node.recent_rounds()}
-
-    def _attach(self, msg: dict[str, Any]) -> dict[str, Any]:
-        fd = self.conn.take_fd()
-        try:
-            size = _field(msg, "size", int, required=True)
-        except RequestError:
-            if fd is not None:
-                os.close(fd)
-            raise
-        if fd is None:
-            raise RequestError("attach needs a memfd passed with SCM_RIGHTS in the same message")
-        try:
-            bid = _field(msg, "buffer", int, 0)
-            if not 0 <= bid < MAX_BUFFERS:
-                raise RequestError(f"buffer id must be in 0..{MAX_BUFFERS - 1}")
-        except RequestError:
-            os.close(fd)
-            raise
-        new = SharedBuffer(fd, size, MAX_BUFFER)
-        old = self.buffers.get(bid)
-        if old is not None:
-            self._retired.append(old)  # requests in flight may still use it
-        self.buffers[bid] = new
-        return {"size": size, "buffer": bid}
-
-    def _start_average(self, msg: dict[str, Any], rid: Any) -> None:
-        key = _field(msg, "key", str, required=True)
-        if not 0 < len(key) <= 256:
-            raise RequestError("key must have 1..256 characters")
-        tensors = _field(msg, "tensors", list, required=True)
-        if len(tensors) > 100_000:
-            raise RequestError("too many tensors in one request (limit 100000)")
-        weight = float(_field(msg, "weight", (int, float), 1.0))
-        timeout = float(_field(msg, "timeout", (int, float), 30.0))
-        group_size = _field(msg, "group_size", int, 16)
-        min_group = _field(msg, "min_group_size", int, 2)
-        if not (math.isfinite(weight) and weight >= 0):
-            raise RequestError("weight must be a finite number >= 0")
-        if not (math.isfinite(timeout) and 0 < timeout <= 3600):
-            raise RequestError("timeout must be in (0, 3600] seconds")
-        if not 1 <= min_group <= group_size <= 1024:
-            raise RequestError("need 1 <= min_group_size <= group_size <= 1024")
-        bid = _field(msg, "buffer", int, 0)
-        if bid not in self.buffers:
-            raise RequestError(f"no shared buffer {bid} attached: send 'attach' with a memfd "
-                               "first")
-        specs = specs_from_wire(tensors)
-        grid_field = _field(msg, "grid", (list, type(None)))
-        grid = None
-        if grid_field is not None:
-            if not (len(grid_field) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                 for x in grid_field)):
-                raise RequestError("grid must be [M, d] (cells per dimension, dimensions)")
-            try:
-                grid = Grid(grid_field[0], grid_field[1])
-            except GridError as exc:
-                raise RequestError(str(exc)) from None
-            if grid.size < 2:
-                raise RequestError("a grid needs at least 2 cells per dimension")
-            min_group = min(min_group, grid.size)
-        rounds = _field(msg, "rounds", int, 1)
-        if not 1 <= rounds <= 1000:
-            raise RequestError("rounds must be in 1..1000")
-        if rounds > 1 and grid is None:
-            raise RequestError("rounds > 1 needs a grid")
-        coords = _field(msg, "initial_coords", (list, type(None)))
-        if coords is not None:
-            if grid is None:
-                raise RequestError("initial_coords needs a grid")
-            try:
-                coords = grid.check(coords)
-            except GridError as exc:
-                raise RequestError(str(exc)) from None
-        codec = _field(msg, "codec", str, "none")
-        if codec not in CODECS:
-            raise RequestError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
-        request = AverageRequest(key, specs, weight, timeout, group_size, min_group, grid,
-                                 rounds, coords, codec)
-        self._start_task(self._average(request, self.buffers[bid]), "average", rid)
-
-    def _start_task(self, coro: Any, op: str, rid: Any) -> None:
-        if len(self.tasks) >= MAX_INFLIGHT:
-            coro.close()
-            raise RequestError(f"at most {MAX_INFLIGHT} requests in flight per session")
-        task = asyncio.create_task(self._reply_when_done(coro, op, rid))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _reply_when_done(self, coro: Any, op: str, rid: Any) -> None:
-        try:
-            reply = {"ok": True, "id": rid, **(await coro)}
-            self.node.metrics.ipc_requests.labels(op, "ok").inc()
-        except (RequestError, StateUnavailable, MatchmakingError, AllreduceError, LayoutError,
-                ValueError, TimeoutError) as exc:
-            self.node.metrics.ipc_requests.labels(op, "error").inc()
-            reply = {"ok": False, "id": rid, "error": type(exc).__name__, "message": str(exc)}
-        except Exception as exc:  # a bug of ours: the trainer still gets an answer
-            log.exception("ipc session %d: %s failed", self.number, op)
-            self.node.metrics.ipc_requests.labels(op, "error").inc()
-            reply = {"ok": False, "id": rid, "error": "InternalError",
-                     "message": f"daemon error: {exc!r}"}
-        with contextlib.suppress(OSError):
-            await self.conn.write_frame(reply)
-
-    async def _state_op(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
-        # live state for joiners (see moshpitd/state.py)
-        key = _field(msg, "key", str, required=True)
-        timeout = float(_field(msg, "timeout", (int, float), 30.0))
-        if not (0 < len(key) <= 256 and 0 < timeout <= 3600):
-            raise RequestError("key must have 1..256 characters and timeout be in (0, 3600]")
-        store, pool = self.node.states, self.node.pool
-        assert store is not None
-        if op == "publish_state":
-            meta = _field(msg, "meta", dict, {})
-            buffer = self._buffer(msg)
-            view = FlatView(buffer.view(), specs_from_wire(_field(msg, "tensors", list,
-                                                                    required=True)))
-            data, packed = view.pack()
-            version = _field(msg, "version", (int, type(None)))
-            if version is not None and not 0 < version < 1 << 63:
-                raise RequestError("version must be a positive 63-bit integer")
-            version = await store.publish(key, packed, meta, data, version)
-            return {"version": version, "total": len(data)}
-        _, info, holders = await store.header(key, pool, timeout)
-        reply = {"total": holders[0].total, "version": holders[0].version,
-                 "tensors": info.get("tensors", []), "meta": info.get("meta", {}),
-                 "donors": len(holders)}
-        if op == "download_state":
-            buffer = self._buffer(msg)
-            reply["served_by"] = await store.download(key, holders, buffer.view(), pool,
-                                                      timeout)
-        return reply
-
-    def _buffer(self, msg: dict[str, Any]) -> SharedBuffer:
-        bid = _field(msg, "buffer", int, 0)
-        if bid not in self.buffers:
-            raise RequestError(f"no shared buffer {bid} attached: send 'attach' with a memfd "
-                               "first")
-        return self.buffers[bid]
-
-    async def _average(self, request: AverageRequest, buffer: SharedBuffer) -> dict[str, Any]:
-        result = await self.node.average(request, buffer.view())
-        rounds = result.rounds
-        return {"group_size": max(result.last.group_size, 1),
-                "seconds": sum(r.seconds for r in rounds),
-                "matchmaking_seconds": sum(r.matchmaking_seconds for r in rounds),
-                "bytes_sent": sum(r.bytes_sent for r in rounds),
-                "bytes_received": sum(r.bytes_received for r in rounds),
-                "round": result.last_round, "coords": result.coords,
-                "group_sizes": [max(r.group_size, 1) for r in rounds],
-                "spans": [list(span) for span in result.spans],
-                "members": list(result.members), "owned": result.owned}
 
 
 class IPCServer:
@@ -294,6 +28,8 @@ class IPCServer:
         self.sessions: set[asyncio.Task[None]] = set()
         self._accept_task: asyncio.Task[None] | None = None
         self._count = 0
+        self.draining = False
+        self.live: set[Session] = set()
 
     async def start(self) -> None:
         _remove_stale_socket(self.path)
@@ -326,6 +62,7 @@ class IPCServer:
                 continue
             self._count += 1
             session = Session(self, FramedSocket(conn), self._count)
+            self.live.add(session)
             task = asyncio.create_task(self._run_session(session))
             self.sessions.add(task)
             task.add_done_callback(self.sessions.discard)
@@ -337,7 +74,29 @@ class IPCServer:
         except Exception:
             log.exception("ipc session %d failed", session.number)
         finally:
+            self.live.discard(session)
             self.node.metrics.ipc_sessions.dec()
+
+    def begin_drain(self) -> None:
+        """No new trainers (the socket path goes away) and no new rounds from attached ones."""
+        self.draining = True
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    async def say_goodbye(self) -> None:
+        """Tell every attached trainer why the daemon goes: the frame (id nil) answers its
+        next request, so it raises a clear error instead of finding a dead socket."""
+        goodbye = {"ok": False, "id": None, "error": "ShuttingDown",
+                   "message": "moshpitd is shutting down (SIGTERM); reconnect when it is back"}
+        for session in list(self.live):
+            with contextlib.suppress(OSError):
+                async with asyncio.timeout(1.0):
+                    await session.conn.write_frame(goodbye)
 
     async def stop(self) -> None:
         if self._accept_task is not None:
@@ -348,8 +107,8 @@ class IPCServer:
         await asyncio.gather(*self.sessions, return_exceptions=True)
         if self.sock is not None:
             self.sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
 
 def _remove_stale_socket(path: str) -> None:

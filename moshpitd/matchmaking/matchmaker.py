@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 _BACKGROUND: set[asyncio.Task[None]] = set()  # withdrawals in flight, owned until done
+
+
+async def wait_background() -> None:
+    """Let withdrawals in flight reach the DHT (a draining daemon waits for them)."""
+    if _BACKGROUND:
+        await asyncio.gather(*list(_BACKGROUND), return_exceptions=True)
 MIN_POLL = 0.02
 MAX_POLL = 0.5
 
@@ -95,10 +101,13 @@ class Matchmaker:
             self.accepting = not self.req.client_mode
             await self.dht.store_sub(self.req.key, self.me.peer_id, self.declaration.pack(), ttl,
                                      version=self._version)
+            group = None
             try:
                 group = await self._attempt(final)
             finally:
                 self.accepting = False
+                if group is None and self.followers:  # leaving (cancelled, failed): say so
+                    self._disband(None, "the leader left the round")
                 self._start_withdraw()
             if group is not None:
                 return group
@@ -245,10 +254,10 @@ class Matchmaker:
             self.assembled.set_result(group)
         return group
 
-    def _disband(self, leader: Candidate | None) -> None:
+    def _disband(self, leader: Candidate | None, why: str = "leader left the group") -> None:
         """Release our followers, pointing them at our new leader if we have one."""
         for f in self.followers.values():
-            resp = pb.JoinResponse(code=pb.DISBANDED, message="leader left the group")
+            resp = pb.JoinResponse(code=pb.DISBANDED, message=why)
             if leader is not None:
                 resp.suggested_leader = leader.declaration.endpoint
                 resp.suggested_leader_id = leader.peer_id

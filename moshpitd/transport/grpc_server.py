@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from moshpitd.proto import moshpit_pb2 as pb
 
@@ -41,6 +42,7 @@ class AveragerServer:
         self._state = state
         self.max_message = max_message
         self.server: aio.Server | None = None
+        self.health = health.aio.HealthServicer()
 
     async def start(self, host: str, port: int) -> int:
         options = [*channel_options(self.max_message), ("grpc.so_reuseport", 0)]
@@ -60,14 +62,24 @@ class AveragerServer:
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
         )
+        # grpc.health.v1: "" is the whole daemon, SERVICE the averager; both NOT_SERVING while
+        # draining, so load balancers and probes stop sending work before the port closes
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         bound = self.server.add_insecure_port(target)
         if bound == 0:
             raise OSError(f"cannot bind gRPC to {target}")
         await self.server.start()
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return bound
 
+    async def draining(self) -> None:
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self, grace: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
 

@@ -1,0 +1,117 @@
+"""Settings: flags > environment > file > defaults, and every bad value named at start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moshpitd.cli import settings_from_argv
+from moshpitd.config import OPTIONS, ConfigError, load
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "moshpitd.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    path = write(tmp_path, 'part_size = 8192\nbandwidth = 2.5\nbootstrap = ["a:1", "b:2"]\n')
+    env = {"MOSHPITD_PART_SIZE": "16384", "MOSHPITD_CLIENT_MODE": "yes"}
+    s = load({"part_size": "32768"}, env, path)
+    assert s.part_size == 32768 and s.sources["part_size"] == "flag --part-size"
+    assert s.client_mode is True and "MOSHPITD_CLIENT_MODE" in s.sources["client_mode"]
+    assert s.bandwidth == 2.5 and path in s.sources["bandwidth"]
+    assert s.bootstrap == [("a", 1), ("b", 2)]
+    assert s.log_level == "INFO" and "log_level" not in s.sources
+    s = load({}, env, path)
+    assert s.part_size == 16384
+    s = load({}, {}, path)
+    assert s.part_size == 8192
+
+
+def test_every_setting_has_flag_env_and_file_key(tmp_path: Path) -> None:
+    from moshpitd.cli import build_parser
+    help_text = build_parser().format_help()
+    for o in OPTIONS:
+        assert o.flag in help_text and o.env in help_text, o.key
+        assert o.env == "MOSHPITD_" + o.key.upper()
+        assert getattr(load({}, {}, None), o.key) == o.default
+
+
+@pytest.mark.parametrize("text, words", [
+    ("part_siz = 8192\n", ["unknown key 'part_siz'"]),
+    ("part_size = 100\n", ["part_size", "outside 4096"]),
+    ("part_size = \"big\"\n", ["part_size", "invalid literal"]),
+    ("bandwidth = 0\n", ["bandwidth", "outside"]),
+    ("client_mode = \"maybe\"\n", ["client_mode", "true or false"]),
+    ("grpc_listen = \"nohost\"\n", ["grpc_listen", "HOST:PORT"]),
+    ("dht_listen = \"h:70000\"\n", ["dht_listen", "out of range"]),
+    ("bootstrap = [1, 2]\n", ["bootstrap", "HOST:PORT"]),
+    ("log_level = \"LOUD\"\n", ["log_level", "not one of"]),
+    ("log_format = \"xml\"\n", ["log_format", "not one of"]),
+    ("drain_timeout = -1\n", ["drain_timeout", "outside"]),
+    ("data_port = true\n", ["data_port", "bool"]),
+    ("this is not toml", ["not valid TOML"]),
+])
+def test_bad_file_values_are_rejected_with_key_and_reason(tmp_path: Path, text: str,
+                                                          words: list[str]) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load({}, {}, path)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_bad_env_and_flag_values_name_their_source(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="MOSHPITD_PART_SIZE.*part_size"):
+        load({}, {"MOSHPITD_PART_SIZE": "12"}, None)
+    with pytest.raises(ConfigError, match="unknown environment variable MOSHPITD_PART_SIZ"):
+        load({}, {"MOSHPITD_PART_SIZ": "8192"}, None)
+    with pytest.raises(ConfigError, match="flag --bandwidth"):
+        load({"bandwidth": "-3"}, {}, None)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load({}, {}, str(tmp_path / "missing.toml"))
+    # fault injection variables are not settings and are not refused
+    assert load({}, {"MOSHPITD_FAULT": "stall@2"}, None).part_size == 1 << 20
+
+
+def test_boolean_flag_can_override_env_either_way(tmp_path: Path) -> None:
+    settings, _ = settings_from_argv(["--no-client-mode", "--config", write(tmp_path, "")])
+    assert settings.client_mode is False
+    settings, check = settings_from_argv(["--client-mode", "--check-config"])
+    assert settings.client_mode is True and check
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+    import os
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MOSHPITD_")}
+    return subprocess.run([sys.executable, "-m", "moshpitd", *args], capture_output=True,
+                          text=True, env={**base, **(env or {})}, timeout=60)
+
+
+def test_check_config_prints_effective_settings_and_exits(tmp_path: Path) -> None:
+    path = write(tmp_path, 'part_size = 8192\nlog_format = "json"\n')
+    out = run_cli(["--config", path, "--check-config", "--bandwidth", "3"],
+                  {"MOSHPITD_DRAIN_TIMEOUT": "2.5"})
+    assert out.returncode == 0, out.stderr
+    settings = json.loads(out.stdout)
+    assert settings["part_size"] == {"value": 8192, "source": f"key 'part_size' in {path}"}
+    assert settings["bandwidth"]["value"] == 3.0
+    assert settings["drain_timeout"] == {"value": 2.5,
+                                         "source": "environment variable MOSHPITD_DRAIN_TIMEOUT"}
+    assert settings["log_format"]["value"] == "json"
+
+
+def test_daemon_refuses_to_start_on_a_bad_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "part_size = 8192\ngrpc_port = 5\n")
+    out = run_cli(["--config", path])
+    assert out.returncode == 2
+    assert "unknown key 'grpc_port'" in out.stderr and path in out.stderr
+    out = run_cli(["--check-config"], {"MOSHPITD_CONFIG": path})
+    assert out.returncode == 2 and "grpc_port" in out.stderr
