@@ -4,7 +4,8 @@ Set MOSHPITD_FAULT=KIND[@ROUND] (ROUND counts this daemon's all-reduce rounds fr
 and optionally MOSHPITD_FAULT_MARKER=PATH, a file written the moment the fault fires, so a test
 can act (kill a process) at a known point. Unset in production: every hook is then a no-op.
 
-KIND: crash-before-send, crash-mid-send, stall-send, crash-while-reducing, stall-reduce.
+KIND: crash-before-send, crash-mid-send, stall-send, slow-send (pauses SLOW_SECONDS, then goes
+on), crash-while-reducing, stall-reduce.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import asyncio
 import os
 from dataclasses import dataclass
 
-KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "crash-while-reducing",
-         "stall-reduce"}
+KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send",
+         "crash-while-reducing", "stall-reduce"}
 STALL_SECONDS = 3600.0
+SLOW_SECONDS = 1.5
 
 
 @dataclass
@@ -61,6 +63,9 @@ class FaultPlan:
         if sent == 1 and self._now("stall-send"):
             self._fire()
             await asyncio.sleep(STALL_SECONDS)
+        if sent == 1 and self._now("slow-send"):
+            self._fire()
+            await asyncio.sleep(SLOW_SECONDS)
 
     def while_reducing(self) -> None:
         if self._now("crash-while-reducing"):

@@ -207,3 +207,41 @@ def test_sigterm_with_an_idle_trainer_attached(tmp_path: Path) -> None:
     finally:
         client.close()
         d.kill()
+
+
+def test_sigterm_mid_allreduce_finishes_the_round_first(tmp_path: Path) -> None:
+    """SIGTERM arrives while a round is averaging (its partner is slow mid-send): the daemon
+    waits for the round, both trainers get the exact mean, and only then does it leave."""
+    marker = tmp_path / "slow"
+    with LocalSwarm(2, workdir=tmp_path, extra_args=["--part-size", "65536",
+                                                     "--drain-timeout", "8"],
+                    env_by_index={1: {"MOSHPITD_FAULT": "slow-send@1",
+                                      "MOSHPITD_FAULT_MARKER": str(marker)}}) as swarm:
+        a = swarm.daemons[0]
+
+        def terminate_when_slow() -> float:
+            deadline = time.monotonic() + 30
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            a.proc.send_signal(signal.SIGTERM)
+            began = time.monotonic()
+            a.proc.wait(20)
+            return time.monotonic() - began
+
+        def one(rank: int) -> torch.Tensor:
+            with moshpit.Client(swarm.sockets[rank]) as c:
+                (out,) = c.average([torch.full((1 << 20,), float(rank * 4))], key="mid",
+                                   group_size=2, min_group_size=2, timeout=20)
+                if rank == 0:  # its daemon is draining now: the next round is refused
+                    with pytest.raises(moshpit.DaemonShuttingDown):
+                        c.average([out], key="mid", group_size=2, timeout=5)
+                return out
+
+        results = run_parallel([lambda: one(0), lambda: one(1), terminate_when_slow])
+    for out in results[:2]:
+        assert isinstance(out, torch.Tensor), results
+        assert torch.equal(out, torch.full((1 << 20,), 2.0))
+    drained = results[2]
+    assert a.proc.returncode == 0, a.log_tail()
+    assert marker.exists()
+    assert 0.5 < drained < 8, drained  # it waited for the slow partner, within its bound

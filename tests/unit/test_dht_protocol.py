@@ -317,3 +317,25 @@ def test_records_go_to_close_newcomer_only() -> None:
         assert len(sent) == 1
 
     _in_loop(body)
+
+
+def test_leave_drops_the_contact_and_keeps_it_out() -> None:
+    proto = _proto()
+    other = (b"\x05" * 20, ("10.0.0.5", 4005))
+
+    async def body() -> None:
+        proto.rpc_ping(ADDR, PEER_ID)
+        proto.rpc_ping(other[1], other[0])
+        assert len(proto.router.find_neighbors(Node(KEY))) == 2
+        # a goodbye claiming another peer's id from the wrong address removes nothing
+        assert proto.rpc_leave(ADDR, other[0]) is False
+        assert proto.rpc_leave(other[1], PEER_ID) is False
+        assert proto.rpc_leave(ADDR, PEER_ID) is True
+        assert [n.id for n in proto.router.find_neighbors(Node(KEY))] == [other[0]]
+        proto.rpc_ping(ADDR, PEER_ID)  # a late datagram from it does not bring it back
+        assert [n.id for n in proto.router.find_neighbors(Node(KEY))] == [other[0]]
+        with pytest.raises(ValueError):
+            proto.rpc_leave(ADDR, b"short")
+        assert proto.rpcs == {}  # direct calls are not counted; datagrams are
+
+    _in_loop(body)
