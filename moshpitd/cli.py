@@ -13,6 +13,7 @@ from typing import Any
 from moshpitd import __version__
 from moshpitd.config import ConfigError, Settings, add_flags, load
 from moshpitd.logs import setup_logging
+from moshpitd.transport.security import load_secrets
 
 log = logging.getLogger("moshpitd")
 
@@ -49,18 +50,22 @@ def run(coro_main: Coroutine[Any, Any, int]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings, check_only = settings_from_argv(argv)
-    except ConfigError as exc:
+        secrets = load_secrets(settings.swarm_key_file, settings.tls_cert, settings.tls_key,
+                               settings.tls_ca, settings.tls_server_name)
+    except (ConfigError, ValueError) as exc:
         print(f"moshpitd: configuration error: {exc}", file=sys.stderr)
         return 2
     if check_only:
         print(json.dumps(settings.describe(), indent=2))
+        if secrets[0] is not None:
+            print(f"moshpitd: swarm key fingerprint {secrets[0].fingerprint}", file=sys.stderr)
         print("moshpitd: configuration is valid", file=sys.stderr)
         return 0
     setup_logging(settings.log_level, settings.log_format)
     from moshpitd.service import serve  # the heavy imports only once settings are valid
 
     try:
-        return run(serve(settings))
+        return run(serve(settings, *secrets))
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1

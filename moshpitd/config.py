@@ -155,6 +155,28 @@ OPTIONS: tuple[Option, ...] = (
            "FORMAT"),
     Option("drain_timeout", _float(0.0, 600.0), 10.0,
            "seconds a SIGTERM may take: rounds in progress finish within it", "SECONDS"),
+    # --- security (moshpitd/auth.py, moshpitd/transport/security.py)
+    Option("swarm_key_file", _str, "", "pre-shared secret (>= 16 bytes, mode 600): every DHT "
+           "datagram, gRPC message and data-plane stream is authenticated with it", "PATH"),
+    Option("tls_cert", _str, "", "PEM certificate for mutual TLS on gRPC", "PATH"),
+    Option("tls_key", _str, "", "PEM private key of tls_cert", "PATH"),
+    Option("tls_ca", _str, "", "PEM CA bundle that peers' certificates must chain to", "PATH"),
+    Option("tls_server_name", _str, "", "name expected in peers' certificates (default: the "
+           "dialled host, which then needs an IP SAN)", "NAME"),
+    # --- limits: each refusal says which limit and how to raise it
+    Option("max_request_bytes", _int(1, 1 << 40), 4 << 30,
+           "tensor bytes one averaging request may carry", "BYTES"),
+    Option("max_group_size", _int(2, 1024), 256,
+           "largest group a request may ask for or this daemon will lead", "N"),
+    Option("dht_max_records_per_key", _int(1, 1 << 16), 256,
+           "records (one per peer) this daemon stores under one DHT key", "N"),
+    Option("dht_max_value_bytes", _int(64, 8192), 1024, "bytes of one DHT record's value",
+           "BYTES"),
+    Option("max_ipc_sessions", _int(1, 1 << 16), 64, "trainer connections at once", "N"),
+    Option("max_message_bytes", _int(1 << 16, 1 << 30), 64 << 20,
+           "largest gRPC message sent or received", "BYTES"),
+    Option("max_parts_in_flight", _int(1, 1 << 16), 64,
+           "parts a sender streams to a reducer before that reducer has answered them", "N"),
 )
 BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -175,6 +197,18 @@ class Settings:
     log_level: str = "INFO"
     log_format: str = "text"
     drain_timeout: float = 10.0
+    swarm_key_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""
+    max_request_bytes: int = 4 << 30
+    max_group_size: int = 256
+    dht_max_records_per_key: int = 256
+    dht_max_value_bytes: int = 1024
+    max_ipc_sessions: int = 64
+    max_message_bytes: int = 64 << 20
+    max_parts_in_flight: int = 64
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def describe(self) -> dict[str, Any]:
@@ -251,6 +285,11 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         except ValueError as exc:
             raise ConfigError(f"{source}: bad value for {o.key}: {exc}") from None
         sources[o.key] = source
+    tls = [k for k in ("tls_cert", "tls_key", "tls_ca") if values.get(k)]
+    if tls and len(tls) != 3:
+        missing = sorted({"tls_cert", "tls_key", "tls_ca"} - set(tls))
+        raise ConfigError(f"TLS needs tls_cert, tls_key and tls_ca together; {', '.join(tls)} "
+                          f"set but {', '.join(missing)} missing")
     return Settings(**values, sources=sources)
 
 

@@ -21,10 +21,12 @@ import tempfile
 import time
 
 from moshpitd import __version__
+from moshpitd.auth import SwarmKey
 from moshpitd.config import Settings
 from moshpitd.ipc.server import IPCServer
 from moshpitd.metrics import Metrics, MetricsServer
 from moshpitd.node import MoshpitNode, NodeConfig, format_hostport
+from moshpitd.transport.security import TLSFiles
 
 log = logging.getLogger("moshpitd")
 
@@ -72,14 +74,23 @@ def advertised_host(settings: Settings) -> str:
     return address
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, swarm_key: SwarmKey | None = None,
+                tls: TLSFiles | None = None) -> int:
     config = NodeConfig(
         dht_host=settings.dht_listen[0], dht_port=settings.dht_listen[1],
         grpc_host=settings.grpc_listen[0], grpc_port=settings.grpc_listen[1],
         advertise_host=advertised_host(settings), bootstrap=tuple(settings.bootstrap),
         data_port=settings.data_port, bandwidth=settings.bandwidth,
         client_mode=settings.client_mode, part_bytes=settings.part_size,
+        swarm_key=swarm_key, tls=tls, max_message=settings.max_message_bytes,
+        max_group_size=settings.max_group_size, max_request_bytes=settings.max_request_bytes,
+        dht_max_records_per_key=settings.dht_max_records_per_key,
+        dht_max_value_bytes=settings.dht_max_value_bytes,
+        max_parts_in_flight=settings.max_parts_in_flight,
     )
+    if swarm_key is not None:
+        log.info("swarm key fingerprint %s: only daemons with the same key are peers",
+                 swarm_key.fingerprint)
     metrics = Metrics()
     node = MoshpitNode(config, metrics)
     signals = asyncio.Queue[int]()
@@ -87,7 +98,7 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     metrics_server = MetricsServer(metrics)
-    ipc = IPCServer(node, settings.ipc_socket)
+    ipc = IPCServer(node, settings.ipc_socket, max_sessions=settings.max_ipc_sessions)
     try:
         await node.start()
         mport = await metrics_server.start(*settings.metrics_listen)

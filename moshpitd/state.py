@@ -153,12 +153,8 @@ class StateStore:
                 start, stop = todo.get_nowait()
                 pos = start
                 try:
-                    call = pool.channel(d.endpoint).unary_stream(
-                        "/moshpit.Averager/DownloadState",
-                        request_serializer=pb.StateRequest.SerializeToString,
-                        response_deserializer=pb.StateChunk.FromString,
-                    )(pb.StateRequest(key=key, offset=start, length=stop - start,
-                                      version=d.version), timeout=timeout)
+                    call = pool.download(d.endpoint, pb.StateRequest(
+                        key=key, offset=start, length=stop - start, version=d.version), timeout)
                     async for chunk in call:
                         n = len(chunk.data)
                         if chunk.offset != pos or pos + n > stop:
@@ -186,11 +182,7 @@ class StateStore:
 
 async def _first(pool: ChannelPool, donor: Donor, request: pb.StateRequest,
                  timeout: float) -> pb.StateChunk:
-    call = pool.channel(donor.endpoint).unary_stream(
-        "/moshpit.Averager/DownloadState",
-        request_serializer=pb.StateRequest.SerializeToString,
-        response_deserializer=pb.StateChunk.FromString,
-    )(request, timeout=timeout)
+    call = pool.download(donor.endpoint, request, timeout)
     try:
         async for chunk in call:
             if len(chunk.header) > MAX_HEADER:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from moshpitd.allreduce.butterfly import ButterflyRound
+from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
 from moshpitd.transport.dataplane import (
     HELLO,
     Channel,
@@ -55,14 +56,23 @@ class _Hello:
         self.channel: Channel | None = None
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        if kind != HELLO or length != 16:
-            raise DataPlaneError("a stream must open with HELLO")
+        if kind != HELLO or length != self.registry.hello_length:
+            raise DataPlaneError("a stream must open with HELLO"
+                                 + (" sealed with the swarm key" if self.registry.auth else ""))
         return None
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         assert self.channel is not None and self.channel.transport is not None
+        group_id = bytes(payload)
+        auth = self.registry.auth
+        if auth is not None:
+            try:
+                group_id = auth.open(b"data", _hello_context(aux), group_id,
+                                     self.registry.replay)
+            except AuthError as exc:
+                raise DataPlaneError(f"unauthenticated data-plane stream: {exc}") from None
         self.channel.transport.pause_reading()
-        task = asyncio.ensure_future(self.registry.route(self.channel, bytes(payload), aux))
+        task = asyncio.ensure_future(self.registry.route(self.channel, group_id, aux))
         self.registry.tasks.add(task)
         task.add_done_callback(self.registry.tasks.discard)
 
@@ -70,9 +80,16 @@ class _Hello:
         pass
 
 
+def _hello_context(sender: int) -> bytes:
+    return b"hello" + (sender & 0xFFFFFFFF).to_bytes(4, "big")
+
+
 class RoundRegistry:
-    def __init__(self, max_payload: int) -> None:
+    def __init__(self, max_payload: int, auth: SwarmKey | None = None) -> None:
         self.max_payload = max_payload
+        self.auth = auth
+        self.replay = ReplayCache()
+        self.hello_length = 16 + (OVERHEAD if auth is not None else 0)
         self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task[None]] = set()
@@ -92,6 +109,13 @@ class RoundRegistry:
             self.server.close()
         for task in list(self.tasks):
             task.cancel()
+
+    def hello(self, group_id: bytes, sender: int) -> bytes:
+        """The HELLO payload that opens our stream to a reducer (sealed with the swarm key:
+        the data plane only takes streams from daemons of the swarm)."""
+        if self.auth is None:
+            return group_id
+        return self.auth.seal(b"data", _hello_context(sender), group_id)
 
     async def connect(self, endpoint: str, sink: FrameSink) -> Channel:
         host, port = split_endpoint(endpoint)

@@ -16,6 +16,7 @@ from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.utils import digest
 
+from moshpitd.auth import SwarmKey
 from moshpitd.dht.protocol import SubkeyProtocol
 from moshpitd.dht.storage import SubkeyStorage
 
@@ -67,15 +68,18 @@ class DHTNode(Server):
     def __init__(
         self, node_id: bytes | None = None, ksize: int = 20, alpha: int = 3,
         rpc_timeout: float = 1.0, storage: SubkeyStorage | None = None,
+        auth: SwarmKey | None = None,
     ) -> None:
         super().__init__(ksize=ksize, alpha=alpha, node_id=node_id,
                          storage=storage or SubkeyStorage())
         self.rpc_timeout = rpc_timeout
+        self.auth = auth
         self._last_version = 0
         self._nearest_cache: dict[bytes, tuple[float, list[Node]]] = {}
 
     def _create_protocol(self) -> SubkeyProtocol:
-        return self.protocol_class(self.node, self.storage, self.ksize, self.rpc_timeout)
+        return self.protocol_class(self.node, self.storage, self.ksize, self.rpc_timeout,
+                                   self.auth)
 
     @property
     def peer_id(self) -> bytes:

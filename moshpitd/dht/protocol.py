@@ -17,6 +17,7 @@ from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 from kademlia.utils import digest
 
+from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
 from moshpitd.dht.storage import SubkeyStorage
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,32 @@ class SubkeyProtocol(KademliaProtocol):
     storage: SubkeyStorage
 
     def __init__(
-        self, source_node: Node, storage: SubkeyStorage, ksize: int, wait_timeout: float
+        self, source_node: Node, storage: SubkeyStorage, ksize: int, wait_timeout: float,
+        auth: SwarmKey | None = None,
     ) -> None:
         super().__init__(source_node, storage, ksize)
         self._wait_timeout = wait_timeout
+        self.auth = auth
+        self.replay = ReplayCache()
         self.malformed = 0
         # (direction, rpc, result) -> count, read by the metrics collector at scrape time
         self.rpcs: Counter[tuple[str, str, str]] = Counter()
         self.departed: dict[bytes, float] = {}  # said goodbye -> until when we ignore it
 
     # --- datagram handling: never let a peer's bytes raise inside an unowned task ----------
+    def connection_made(self, transport: Any) -> None:
+        # with a swarm key every datagram we send, request or reply, leaves sealed
+        super().connection_made(transport if self.auth is None
+                                else _SealingTransport(transport, self.auth))
+
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self.auth is not None:
+            try:
+                data = self.auth.open(b"dht", b"dht", data, self.replay)
+            except AuthError as exc:
+                self.rpcs["received", "any", "unauthenticated"] += 1
+                log.debug("dropped a datagram from %s: %s", addr, exc)
+                return
         task = asyncio.ensure_future(self._safe_solve(data, addr))
         task.add_done_callback(_consume)
 
@@ -83,7 +99,7 @@ class SubkeyProtocol(KademliaProtocol):
             return
         self.rpcs["received", name, "ok"] += 1
         reply = b"\x01" + msg_id + umsgpack.packb(response)
-        if len(reply) > MAX_DATAGRAM:
+        if len(reply) > MAX_DATAGRAM - OVERHEAD:
             log.warning("reply to rpc_%s for %s is too large (%d bytes)", name, address, len(reply))
             return
         if self.transport is not None:
@@ -193,6 +209,18 @@ class SubkeyProtocol(KademliaProtocol):
                     )
                     task.add_done_callback(_consume)
         self.router.add_contact(node)
+
+
+class _SealingTransport:
+    def __init__(self, inner: Any, auth: SwarmKey) -> None:
+        self.inner = inner
+        self.auth = auth
+
+    def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.inner.sendto(self.auth.seal(b"dht", b"dht", data), addr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

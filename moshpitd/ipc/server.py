@@ -20,8 +20,10 @@ MAX_SESSIONS = 64
 
 
 class IPCServer:
-    def __init__(self, node: MoshpitNode, path: str, metrics_endpoint: str = "") -> None:
+    def __init__(self, node: MoshpitNode, path: str, metrics_endpoint: str = "",
+                 max_sessions: int = MAX_SESSIONS) -> None:
         self.node = node
+        self.max_sessions = max_sessions
         self.path = path
         self.metrics_endpoint = metrics_endpoint
         self.sock: socket.socket | None = None
@@ -53,11 +55,12 @@ class IPCServer:
                     await asyncio.sleep(0.1)
                     continue
                 raise
-            if len(self.sessions) >= MAX_SESSIONS:
+            if len(self.sessions) >= self.max_sessions:
                 framed = FramedSocket(conn)
                 with contextlib.suppress(OSError):
                     await framed.write_frame({"ok": False, "error": "TooManySessions",
-                                              "message": f"at most {MAX_SESSIONS} sessions"})
+                                              "message": f"at most {self.max_sessions} "
+                                              "trainer sessions at once (max_ipc_sessions)"})
                 framed.close()
                 continue
             self._count += 1

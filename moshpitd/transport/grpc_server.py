@@ -11,11 +11,13 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.security import Security
 
 log = logging.getLogger(__name__)
 
 SERVICE = "moshpit.Averager"
 JOIN = f"/{SERVICE}/Join"
+DOWNLOAD_STATE = f"/{SERVICE}/DownloadState"
 DEFAULT_MAX_MESSAGE = 64 << 20
 
 JoinHandler = Callable[[pb.JoinRequest, aio.ServicerContext], AsyncIterator[pb.JoinResponse]]
@@ -37,26 +39,32 @@ class AveragerServer:
     """Serves the control plane (Join) with a generic handler."""
 
     def __init__(self, join: JoinHandler, state: StateHandler,
-                 max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+                 max_message: int = DEFAULT_MAX_MESSAGE, security: Security | None = None
+                 ) -> None:
         self._join = join
         self._state = state
         self.max_message = max_message
+        self.security = security or Security()
         self.server: aio.Server | None = None
         self.health = health.aio.HealthServicer()
 
     async def start(self, host: str, port: int) -> int:
         options = [*channel_options(self.max_message), ("grpc.so_reuseport", 0)]
         self.server = aio.server(options=options)
+        sec = self.security
         handlers = {
             "Join": grpc.unary_stream_rpc_method_handler(
                 self._join,
-                request_deserializer=pb.JoinRequest.FromString,
-                response_serializer=pb.JoinResponse.SerializeToString,
+                request_deserializer=sec.request_deserializer(JOIN, pb.JoinRequest.FromString),
+                response_serializer=sec.response_serializer(JOIN,
+                                                            pb.JoinResponse.SerializeToString),
             ),
             "DownloadState": grpc.unary_stream_rpc_method_handler(
                 self._state,
-                request_deserializer=pb.StateRequest.FromString,
-                response_serializer=pb.StateChunk.SerializeToString,
+                request_deserializer=sec.request_deserializer(DOWNLOAD_STATE,
+                                                              pb.StateRequest.FromString),
+                response_serializer=sec.response_serializer(DOWNLOAD_STATE,
+                                                            pb.StateChunk.SerializeToString),
             ),
         }
         self.server.add_generic_rpc_handlers(
@@ -66,7 +74,9 @@ class AveragerServer:
         # draining, so load balancers and probes stop sending work before the port closes
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        bound = self.server.add_insecure_port(target)
+        creds = sec.server_credentials()
+        bound = (self.server.add_insecure_port(target) if creds is None
+                 else self.server.add_secure_port(target, creds))
         if bound == 0:
             raise OSError(f"cannot bind gRPC to {target}")
         await self.server.start()
@@ -87,14 +97,19 @@ class AveragerServer:
 class ChannelPool:
     """One channel per peer endpoint, created inside the running loop and reused."""
 
-    def __init__(self, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+    def __init__(self, max_message: int = DEFAULT_MAX_MESSAGE,
+                 security: Security | None = None) -> None:
         self.max_message = max_message
+        self.security = security or Security()
         self._channels: dict[str, aio.Channel] = {}
 
     def channel(self, endpoint: str) -> aio.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
-            ch = aio.insecure_channel(endpoint, options=channel_options(self.max_message))
+            options = [*channel_options(self.max_message), *self.security.channel_options()]
+            creds = self.security.channel_credentials()
+            ch = (aio.insecure_channel(endpoint, options=options) if creds is None
+                  else aio.secure_channel(endpoint, creds, options=options))
             self._channels[endpoint] = ch
             if len(self._channels) > 512:
                 oldest = next(iter(self._channels))
@@ -103,10 +118,22 @@ class ChannelPool:
         return ch
 
     def join(self, endpoint: str, request: pb.JoinRequest, timeout: float) -> Any:
+        sec = self.security
         method = self.channel(endpoint).unary_stream(
             JOIN,
-            request_serializer=pb.JoinRequest.SerializeToString,
-            response_deserializer=pb.JoinResponse.FromString,
+            request_serializer=sec.request_serializer(JOIN, pb.JoinRequest.SerializeToString),
+            response_deserializer=sec.response_deserializer(JOIN, pb.JoinResponse.FromString),
+        )
+        return method(request, timeout=timeout)
+
+    def download(self, endpoint: str, request: pb.StateRequest, timeout: float) -> Any:
+        sec = self.security
+        method = self.channel(endpoint).unary_stream(
+            DOWNLOAD_STATE,
+            request_serializer=sec.request_serializer(DOWNLOAD_STATE,
+                                                      pb.StateRequest.SerializeToString),
+            response_deserializer=sec.response_deserializer(DOWNLOAD_STATE,
+                                                            pb.StateChunk.FromString),
         )
         return method(request, timeout=timeout)
 

@@ -68,7 +68,7 @@ def test_bad_file_values_are_rejected_with_key_and_reason(tmp_path: Path, text: 
 
 
 def test_bad_env_and_flag_values_name_their_source(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="MOSHPITD_PART_SIZE.*part_size"):
+    with pytest.raises(ConfigError, match=r"MOSHPITD_PART_SIZE.*part_size"):
         load({}, {"MOSHPITD_PART_SIZE": "12"}, None)
     with pytest.raises(ConfigError, match="unknown environment variable MOSHPITD_PART_SIZ"):
         load({}, {"MOSHPITD_PART_SIZ": "8192"}, None)

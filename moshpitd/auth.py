@@ -1,0 +1,104 @@
+"""Swarm key: a pre-shared secret that every message between daemons is authenticated with.
+
+Like a libp2p private network: a daemon without the key can neither store nor read DHT records
+nor join a group. Each message is sealed as
+
+    timestamp (8 bytes, ms since the epoch) | nonce (12 random bytes) | payload | tag (32 bytes)
+
+with tag = HMAC-SHA256(purpose key, context | timestamp | nonce | payload). The context binds a
+tag to where the message is used (the gRPC method, the DHT, a data-plane HELLO and its sender),
+so a sealed message cannot be replayed elsewhere. Receivers drop messages whose timestamp is
+more than WINDOW seconds off their clock, and requests whose nonce they saw within the window.
+The payload is authenticated, not encrypted: use TLS (gRPC) or a VPN where secrecy matters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+import struct
+import time
+
+WINDOW = 30.0  # seconds of clock skew plus delivery delay a message may show
+NONCE = 12
+TAG = 32
+OVERHEAD = 8 + NONCE + TAG
+MIN_SECRET = 16
+MAX_REPLAY_ENTRIES = 200_000
+
+
+class AuthError(Exception):
+    """A message without a valid tag, outside the time window, or replayed."""
+
+
+class ReplayCache:
+    """Nonces seen within the window. Bounded: when full, the oldest half is forgotten (their
+    messages are then refused by the time window soon anyway)."""
+
+    def __init__(self, window: float = WINDOW, max_entries: int = MAX_REPLAY_ENTRIES) -> None:
+        self.window = window
+        self.max_entries = max_entries
+        self._seen: dict[bytes, float] = {}
+
+    def check(self, nonce: bytes, now: float) -> None:
+        if nonce in self._seen:
+            raise AuthError("replayed message")
+        if len(self._seen) >= self.max_entries:
+            cutoff = now - self.window
+            self._seen = {n: t for n, t in self._seen.items() if t > cutoff}
+            if len(self._seen) >= self.max_entries:  # a flood of fresh nonces: keep the newest
+                keep = sorted(self._seen.items(), key=lambda kv: kv[1])[self.max_entries // 2:]
+                self._seen = dict(keep)
+        self._seen[nonce] = now
+
+
+class SwarmKey:
+    def __init__(self, secret: bytes, window: float = WINDOW) -> None:
+        if len(secret) < MIN_SECRET:
+            raise ValueError(f"a swarm key needs at least {MIN_SECRET} bytes, got {len(secret)}")
+        self.window = window
+        # one key per purpose: a tag made for the DHT never verifies on gRPC or the data plane
+        self._keys = {p: hmac.new(secret, b"moshpit/" + p, hashlib.sha256).digest()
+                      for p in (b"dht", b"grpc", b"data")}
+        self.fingerprint = hashlib.sha256(b"moshpit/fingerprint" + secret).hexdigest()[:16]
+
+    @classmethod
+    def from_file(cls, path: str) -> SwarmKey:
+        """The file holds the secret (any bytes; surrounding whitespace is ignored, so a hex or
+        base64 line from `openssl rand -hex 32` works)."""
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                secret = f.read(1 << 16).strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read swarm key file {path}: {exc.strerror}") from None
+        if st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
+            raise ValueError(f"swarm key file {path} is readable or writable by others; "
+                             "chmod 600 (or 640) it")
+        return cls(secret)
+
+    def seal(self, purpose: bytes, context: bytes, payload: bytes) -> bytes:
+        head = struct.pack(">Q", int(time.time() * 1000)) + os.urandom(NONCE)
+        tag = hmac.new(self._keys[purpose], context + head + payload, hashlib.sha256).digest()
+        return head + payload + tag
+
+    def open(self, purpose: bytes, context: bytes, data: bytes | memoryview,
+             replay: ReplayCache | None = None) -> bytes:
+        """The payload, or AuthError. Check order: length, tag, time, nonce."""
+        data = bytes(data)
+        if len(data) < OVERHEAD:
+            raise AuthError("message too short to carry a swarm-key tag")
+        head, payload, tag = data[:8 + NONCE], data[8 + NONCE:-TAG], data[-TAG:]
+        want = hmac.new(self._keys[purpose], context + head + payload, hashlib.sha256).digest()
+        if not hmac.compare_digest(tag, want):
+            raise AuthError("bad swarm-key tag (another key, or a tampered message)")
+        (ms,) = struct.unpack(">Q", head[:8])
+        now = time.time()
+        if abs(now - ms / 1000.0) > self.window:
+            raise AuthError(f"message timestamp is {now - ms / 1000.0:+.1f} s off (window "
+                            f"{self.window:.0f} s): clocks out of sync, or a replay")
+        if replay is not None:
+            replay.check(head[8:], now)
+        return payload
