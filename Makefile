@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv system-deps test test-unit test-integration demo bench lint proto clean
+.PHONY: all venv system-deps test test-unit test-integration demo bench soak lint proto clean
 
 all: test
 
@@ -22,7 +22,7 @@ venv: $(STAMP)
 # installed when running as root with apt-get (as CI does on a bare Debian 12); otherwise the
 # tests that need them skip. `make test SYSTEM_DEPS=` leaves the system alone.
 SYSTEM_DEPS ?= prometheus:prometheus promtool:prometheus systemd-analyze:systemd \
-	ip:iproute2 nft:nftables
+	ip:iproute2 nft:nftables openssl:openssl
 
 system-deps:
 	@missing=""; \
@@ -54,6 +54,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.allreduce
+
+soak: $(STAMP)
+	$(PY) -m bench.soak --peers 8 --rounds 50
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check moshpitd client tests bench demo
