@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from moshpitd.cli import build_parser
+from moshpitd.config import config_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -23,11 +24,7 @@ CONFIG = DEPLOY / "moshpitd.toml"
 MANIFEST = DEPLOY / "kubernetes" / "moshpitd.yaml"
 
 # The keys the daemon's config loader accepts (it rejects any other).
-CONFIG_KEYS = frozenset({
-    "dht_listen", "grpc_listen", "data_port", "advertise_host", "bootstrap", "ipc_socket",
-    "metrics_listen", "part_size", "bandwidth", "client_mode", "ready_file", "log_level",
-    "log_format", "drain_timeout",
-})
+CONFIG_KEYS = frozenset(config_keys())
 MAX_EXPOSURE = 3.0
 
 
