@@ -13,15 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from grpc import aio
 
-from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.allreduce.group import Group
 from moshpitd.dht.network import DHTNode
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.errors import (
@@ -30,13 +28,15 @@ from moshpitd.matchmaking.errors import (
     NoPartners,
     SchemaMismatch,
 )
+from moshpitd.matchmaking.leading import PROTOCOL_VERSION, Leading, _Follower, not_looking
 from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 
+Probe = Callable[[str], Awaitable[bool]]
+
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 _BACKGROUND: set[asyncio.Task[None]] = set()  # withdrawals in flight, owned until done
 
 
@@ -44,24 +44,22 @@ async def wait_background() -> None:
     """Let withdrawals in flight reach the DHT (a draining daemon waits for them)."""
     if _BACKGROUND:
         await asyncio.gather(*list(_BACKGROUND), return_exceptions=True)
+
+
 MIN_POLL = 0.02
 MAX_POLL = 0.5
-
-
 LONELY_GRACE = 0.2
+STRAGGLER_PROBE = 0.3  # a declared peer this long outside our group gets asked if it lives
 RETRY_ASK = 0.25  # how soon to ask a leader again that turned us away
 
 
-@dataclass
-class _Follower:
-    request: pb.JoinRequest
-    outbox: asyncio.Queue[pb.JoinResponse] = field(default_factory=asyncio.Queue)
-
-
-class Matchmaker:
+class Matchmaker(Leading):
     def __init__(self, me: Self, dht: DHTNode, pool: ChannelPool, request: MatchRequest,
-                 watcher: LineWatcher | None = None) -> None:
+                 watcher: LineWatcher | None = None, probe: Probe | None = None) -> None:
         self.me = me
+        self.probe = probe
+        self._outside_since: dict[bytes, float] = {}
+        self._dead: set[bytes] = set()  # declared, but its daemon does not answer
         self.watcher = watcher
         self.expected = request.expected
         self.settled = True
@@ -114,9 +112,9 @@ class Matchmaker:
             if self._seen_mismatch and not self._seen_match:
                 raise SchemaMismatch(
                     f"{len(self._seen_mismatch)} peer(s) under key {self.req.key!r} declared "
-                    "tensors with other dtypes or shapes (or another order or wire codec), and "
-                    "none matched ours; every peer of a group must submit the same list of "
-                    "shapes and dtypes with the same codec"
+                    "tensors with other dtypes or shapes (or another order, wire codec or "
+                    "aggregation), and none matched ours; every peer of a group must submit "
+                    "the same list of shapes and dtypes with the same codec and aggregation"
                 )
         raise GroupNotFound(
             f"no group of at least {self.req.min_size} peers under key {self.req.key!r} within "
@@ -144,6 +142,9 @@ class Matchmaker:
                 return self.assembled.result()
             now = time.monotonic()
             candidates = await self._candidates()
+            if self.probe is not None and self.followers:
+                await self._probe_stragglers(candidates, now)
+            candidates = [c for c in candidates if c.peer_id not in self._dead]
             if self.watcher is not None:
                 status = await self.watcher()
                 self.expected = status.expected
@@ -201,6 +202,26 @@ class Matchmaker:
             out.append(Candidate(peer_id, decl, now + rec.ttl, rec.version))
         return out
 
+    async def _probe_stragglers(self, candidates: list[Candidate], now: float) -> None:
+        """A killed daemon's declaration outlives it (until its TTL): a leader would wait for
+        it until the deadline. Ask peers that stay outside once whether they live."""
+        assert self.probe is not None
+        ask = []
+        for c in candidates:
+            if c.peer_id in self.followers or c.peer_id in self._dead:
+                continue
+            since = self._outside_since.setdefault(c.peer_id, now)
+            if now - since >= STRAGGLER_PROBE:
+                self._outside_since[c.peer_id] = math.inf  # once per attempt
+                ask.append(c)
+        if ask:
+            alive = await asyncio.gather(*(self.probe(c.declaration.endpoint) for c in ask))
+            for c, ok in zip(ask, alive, strict=True):
+                if not ok:
+                    log.info("%s: declared peer %s does not answer: not waiting for it",
+                             self.req.key, c.peer_id.hex()[:8])
+                    self._dead.add(c.peer_id)
+
     def _ready_to_assemble(self, candidates: list[Candidate], now: float) -> bool:
         size = 1 + len(self.followers)
         if size >= self.req.target_size:
@@ -217,12 +238,14 @@ class Matchmaker:
                                                self._declared_now) for p in self.expected)
         # Everyone declared under the key is already with us, and nobody new declared for a
         # while: with no target in sight, waiting longer gains nothing.
+        # (The clock runs from the last change of our membership, so an outsider found dead
+        # costs no extra settle time once it is dropped.)
         outside = [c for c in candidates if c.peer_id not in self.followers]
         members = frozenset(self.followers)
-        if outside or members != self._stable_members:
+        if members != self._stable_members:
             self._stable_members, self._stable_since = members, now
             return False
-        return now - self._stable_since >= self.req.settle_seconds
+        return not outside and now - self._stable_since >= self.req.settle_seconds
 
     def _check_lonely(self, candidates: list[Candidate], status: LineStatus, now: float) -> None:
         """Nobody on our line is coming: keep our value instead of waiting for the deadline."""
@@ -233,36 +256,6 @@ class Matchmaker:
         if alone and (status.moved_on or (self._lonely_polls >= 2
                                           and now - started >= LONELY_GRACE)):
             raise NoPartners(f"no other peer on this grid line under {self.req.key!r}")
-
-    def _assemble(self) -> Group:
-        members = [GroupMember(self.me.peer_id, self.me.endpoint, self.req.weight,
-                               self.req.client_mode, self.me.bandwidth, self.me.data_endpoint)]
-        for pid, f in self.followers.items():
-            r = f.request
-            members.append(GroupMember(pid, r.endpoint, r.weight, r.client_mode, r.bandwidth,
-                                       r.data_endpoint))
-        if sum(m.weight for m in members) <= 0:
-            log.info("group under %s has zero total weight", self.req.key)
-        group = Group(os.urandom(16), self.req.key, 0, self.req.schema_hash, tuple(members),
-                      self.req.codec)
-        info = group.to_proto()
-        self.accepting = False
-        for f in self.followers.values():
-            f.outbox.put_nowait(pb.JoinResponse(code=pb.GROUP_ASSEMBLED, group_info=info))
-        self.followers.clear()
-        if not self.assembled.done():
-            self.assembled.set_result(group)
-        return group
-
-    def _disband(self, leader: Candidate | None, why: str = "leader left the group") -> None:
-        """Release our followers, pointing them at our new leader if we have one."""
-        for f in self.followers.values():
-            resp = pb.JoinResponse(code=pb.DISBANDED, message=why)
-            if leader is not None:
-                resp.suggested_leader = leader.declaration.endpoint
-                resp.suggested_leader_id = leader.peer_id
-            f.outbox.put_nowait(resp)
-        self.followers.clear()
 
     # --- following --------------------------------------------------------------------------
     async def _follow(self, leader: Candidate, final: float) -> Group | None:
@@ -348,58 +341,5 @@ class Matchmaker:
                              Declaration(resp.suggested_leader, self.req.schema_hash),
                              leader.deadline, leader.version)
         return None
-
-    # --- leading: the server side of Join ---------------------------------------------------
-    async def handle_join(self, request: pb.JoinRequest) -> AsyncIterator[pb.JoinResponse]:
-        reject = self._check_join(request)
-        if reject is not None:
-            yield reject
-            return
-        follower = _Follower(request)
-        self.followers[request.peer_id] = follower
-        self.last_join = time.monotonic()
-        self._wake.set()
-        try:
-            yield pb.JoinResponse(code=pb.ACCEPTED)
-            yield await follower.outbox.get()
-        finally:
-            if self.followers.get(request.peer_id) is follower:
-                del self.followers[request.peer_id]
-
-    def _check_join(self, request: pb.JoinRequest) -> pb.JoinResponse | None:
-        def no(code: pb.JoinCode, message: str) -> pb.JoinResponse:
-            return pb.JoinResponse(code=code, message=message)
-
-        if request.protocol_version != PROTOCOL_VERSION:
-            return no(pb.PROTOCOL_MISMATCH, f"protocol {request.protocol_version} != "
-                                            f"{PROTOCOL_VERSION}")
-        if (len(request.peer_id) != 20 or not request.endpoint or not request.data_endpoint
-                or not request.weight >= 0 or not math.isfinite(request.weight)
-                or not (math.isfinite(request.bandwidth) and request.bandwidth >= 0)):
-            return no(pb.BAD_REQUEST, "peer id, endpoints, weight or bandwidth malformed")
-        if request.group_key != self.req.key:
-            return no(pb.WRONG_KEY, f"this peer averages under {self.req.key!r}")
-        if not self.accepting:
-            if self.leader is not None:
-                resp = no(pb.NOT_A_LEADER, "this peer follows another leader")
-                resp.suggested_leader = self.leader.declaration.endpoint
-                resp.suggested_leader_id = self.leader.peer_id
-                return resp
-            return no(pb.NOT_LOOKING, "not accepting followers now")
-        if request.schema_hash != self.req.schema_hash or request.codec != self.req.codec:
-            return no(pb.BAD_SCHEMA, "tensor dtypes/shapes or codec differ from this group's")
-        if self._asking == request.peer_id and request.peer_id < self.me.peer_id:
-            # Both of us asked the other at once: the lower peer id leads, on both sides.
-            return no(pb.NOT_LOOKING, "we are asking you to lead; the lower peer id leads")
-        if request.peer_id == self.me.peer_id or request.peer_id in self.followers:
-            return no(pb.DUPLICATE_PEER, "peer is already a member")
-        if 1 + len(self.followers) >= self.req.target_size:
-            return no(pb.GROUP_FULL, f"group already has {self.req.target_size} members")
-        return None
-
-
-def not_looking(key: str) -> pb.JoinResponse:
-    return pb.JoinResponse(code=pb.NOT_LOOKING, message=f"not matchmaking under {key!r}")
-
 
 __all__ = ["MatchRequest", "Matchmaker", "MatchmakingError", "Self", "not_looking"]

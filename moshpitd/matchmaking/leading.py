@@ -1,0 +1,123 @@
+"""The leader's side of matchmaking: who may join our group, assembling it, releasing it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.matchmaking.declaration import Candidate
+from moshpitd.matchmaking.request import MatchRequest, Self
+from moshpitd.proto import moshpit_pb2 as pb
+
+log = logging.getLogger("moshpitd.matchmaking.matchmaker")
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass
+class _Follower:
+    request: pb.JoinRequest
+    outbox: asyncio.Queue[pb.JoinResponse] = field(default_factory=asyncio.Queue)
+
+
+class Leading:
+    """Mixed into Matchmaker, which owns these attributes."""
+
+    me: Self
+    req: MatchRequest
+    accepting: bool
+    leader: Candidate | None
+    followers: dict[bytes, _Follower]
+    assembled: asyncio.Future[Group]
+    last_join: float
+    _wake: asyncio.Event
+    _asking: bytes | None
+
+    def _assemble(self) -> Group:
+        members = [GroupMember(self.me.peer_id, self.me.endpoint, self.req.weight,
+                               self.req.client_mode, self.me.bandwidth, self.me.data_endpoint)]
+        for pid, f in self.followers.items():
+            r = f.request
+            members.append(GroupMember(pid, r.endpoint, r.weight, r.client_mode, r.bandwidth,
+                                       r.data_endpoint))
+        if sum(m.weight for m in members) <= 0:
+            log.info("group under %s has zero total weight", self.req.key)
+        group = Group(os.urandom(16), self.req.key, 0, self.req.schema_hash, tuple(members),
+                      self.req.codec)
+        info = group.to_proto()
+        self.accepting = False
+        for f in self.followers.values():
+            f.outbox.put_nowait(pb.JoinResponse(code=pb.GROUP_ASSEMBLED, group_info=info))
+        self.followers.clear()
+        if not self.assembled.done():
+            self.assembled.set_result(group)
+        return group
+
+    def _disband(self, leader: Candidate | None, why: str = "leader left the group") -> None:
+        """Release our followers, pointing them at our new leader if we have one."""
+        for f in self.followers.values():
+            resp = pb.JoinResponse(code=pb.DISBANDED, message=why)
+            if leader is not None:
+                resp.suggested_leader = leader.declaration.endpoint
+                resp.suggested_leader_id = leader.peer_id
+            f.outbox.put_nowait(resp)
+        self.followers.clear()
+
+    # --- leading: the server side of Join ---------------------------------------------------
+    async def handle_join(self, request: pb.JoinRequest) -> AsyncIterator[pb.JoinResponse]:
+        reject = self._check_join(request)
+        if reject is not None:
+            yield reject
+            return
+        follower = _Follower(request)
+        self.followers[request.peer_id] = follower
+        self.last_join = time.monotonic()
+        self._wake.set()
+        try:
+            yield pb.JoinResponse(code=pb.ACCEPTED)
+            yield await follower.outbox.get()
+        finally:
+            if self.followers.get(request.peer_id) is follower:
+                del self.followers[request.peer_id]
+
+    def _check_join(self, request: pb.JoinRequest) -> pb.JoinResponse | None:
+        def no(code: pb.JoinCode, message: str) -> pb.JoinResponse:
+            return pb.JoinResponse(code=code, message=message)
+
+        if request.protocol_version != PROTOCOL_VERSION:
+            return no(pb.PROTOCOL_MISMATCH, f"protocol {request.protocol_version} != "
+                                            f"{PROTOCOL_VERSION}")
+        if (len(request.peer_id) != 20 or not request.endpoint or not request.data_endpoint
+                or not request.weight >= 0 or not math.isfinite(request.weight)
+                or not (math.isfinite(request.bandwidth) and request.bandwidth >= 0)):
+            return no(pb.BAD_REQUEST, "peer id, endpoints, weight or bandwidth malformed")
+        if request.group_key != self.req.key:
+            return no(pb.WRONG_KEY, f"this peer averages under {self.req.key!r}")
+        if not self.accepting:
+            if self.leader is not None:
+                resp = no(pb.NOT_A_LEADER, "this peer follows another leader")
+                resp.suggested_leader = self.leader.declaration.endpoint
+                resp.suggested_leader_id = self.leader.peer_id
+                return resp
+            return no(pb.NOT_LOOKING, "not accepting followers now")
+        if request.schema_hash != self.req.schema_hash or request.codec != self.req.codec:
+            return no(pb.BAD_SCHEMA, "tensor dtypes/shapes, codec or aggregation differ from "
+                      "this group's")
+        if self._asking == request.peer_id and request.peer_id < self.me.peer_id:
+            # Both of us asked the other at once: the lower peer id leads, on both sides.
+            return no(pb.NOT_LOOKING, "we are asking you to lead; the lower peer id leads")
+        if request.peer_id == self.me.peer_id or request.peer_id in self.followers:
+            return no(pb.DUPLICATE_PEER, "peer is already a member")
+        if 1 + len(self.followers) >= self.req.target_size:
+            return no(pb.GROUP_FULL, f"group already has {self.req.target_size} members")
+        return None
+
+
+def not_looking(key: str) -> pb.JoinResponse:
+    return pb.JoinResponse(code=pb.NOT_LOOKING, message=f"not matchmaking under {key!r}")
