@@ -175,6 +175,9 @@ class DHTNode(Server):
     async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float,
                         version: int | None = None) -> int:
         """Store on the k closest nodes and locally; returns how many copies were accepted."""
+        if len(value) > self.storage.max_value_bytes:
+            raise DHTError(f"a record of {len(value)} bytes under {key!r} exceeds "
+                           f"dht_max_value_bytes={self.storage.max_value_bytes}")
         dkey = digest(key)
         version = self.next_version() if version is None else version
         stored = int(self.storage.store_sub(dkey, subkey, value, version, ttl))

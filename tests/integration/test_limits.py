@@ -1,0 +1,62 @@
+"""Each limit is a setting, and going over it gives an error that names the setting."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import umsgpack
+
+import moshpit
+from moshpitd.launcher import start_daemon
+
+
+def test_limits_refuse_with_the_setting_named(tmp_path: Path) -> None:
+    d = start_daemon("lim", tmp_path, extra_args=[
+        "--max-request-bytes", "4000", "--max-group-size", "4", "--max-ipc-sessions", "2",
+        "--max-message-bytes", "1048576", "--dht-max-value-bytes", "256",
+        "--dht-max-records-per-key", "2"])
+    try:
+        with moshpit.Client(d.socket) as c:
+            with pytest.raises(moshpit.InvalidRequest, match="max_request_bytes"):
+                c.average([torch.zeros(1001)], key="big", group_size=2, timeout=2)
+            with pytest.raises(moshpit.InvalidRequest, match="max_group_size"):
+                c.average([torch.zeros(10)], key="many", group_size=8, timeout=2)
+            with moshpit.Client(d.socket), pytest.raises(moshpit.DaemonUnavailable,
+                                                         match="max_ipc_sessions"):
+                moshpit.Client(d.socket)
+            assert c.status()["status"]["rounds_done"] == 0  # the session goes on
+
+        host, port = d.info["dht"].rsplit(":", 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(2)
+
+            def store(subkey: bytes, value: bytes) -> object:
+                msg_id = os.urandom(20)
+                s.sendto(b"\x00" + msg_id + umsgpack.packb(
+                    ["store_sub", [os.urandom(20), b"\x07" * 20, subkey, value, 1, 60.0]]),
+                    (host, int(port)))
+                while True:  # skip the daemon's own requests to us (it welcomes new nodes)
+                    reply = s.recv(65536)
+                    if reply[:21] == b"\x01" + msg_id:
+                        return umsgpack.unpackb(reply[21:])
+
+            assert store(b"a", b"x" * 256) is True
+            assert store(b"b", b"x" * 257) is False  # dht_max_value_bytes
+            assert store(b"c", b"x") is True
+            assert store(b"d", b"x") is False  # dht_max_records_per_key
+
+        with grpc.insecure_channel(d.info["grpc"]) as channel:
+            join = channel.unary_stream("/moshpit.Averager/Join",
+                                        request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as info:
+                list(join(b"\x0a" + b"\x80\x80\x80\x01" + b"k" * (2 << 20), timeout=5))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert d.alive()
+    finally:
+        d.stop()
