@@ -19,6 +19,7 @@ from bench.runners import Samples, run_gloo, run_moshpit
 
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 CODECS = ("none", "fp16", "bf16", "int8")
+AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
 
 
 def parse_elems(text: str) -> int:
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 8M = 8388608)")
     p.add_argument("--codec", default="none",
                    help="wire codec for moshpit: none, fp16, bf16, int8 (default none)")
+    p.add_argument("--aggregation", choices=AGGREGATIONS, default="mean",
+                   help="how moshpit groups combine values (default mean; gloo always averages)")
     p.add_argument("--ipc", choices=["shared", "copy"], default="shared",
                    help="shared: tensors live in memory the daemon maps (no copies); copy: "
                         "plain tensors, copied into and out of the shared buffer per call")
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(summarize(run_moshpit(args.peers, args.elems, args.repeat,
                                               args.timeout, args.workdir,
                                               args.daemon_log_level, args.min_group_size,
-                                              args.codec, args.ipc),
+                                              args.codec, args.ipc, args.aggregation),
                                   args.peers, args.elems))
         if not args.skip_gloo:
             rows.append(summarize(run_gloo(args.peers, args.elems, args.repeat, args.timeout),
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
              if {"moshpit", "gloo"} <= medians.keys() and medians["gloo"] > 0 else None)
     if args.json:
         print(json.dumps({"peers": args.peers, "elems": args.elems, "codec": args.codec,
+                          "aggregation": args.aggregation,
                           "ipc": args.ipc, "min_group_size": args.min_group_size,
                           "repeat": args.repeat, "rows": rows, "ratio": ratio}, indent=2))
     else:

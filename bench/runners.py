@@ -46,7 +46,8 @@ def _answers(children: list[Child], timeout: float) -> list[dict[str, Any]]:
 
 def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
                 workdir: str | None = None, log_level: str = "INFO",
-                min_group_size: int = 2, codec: str = "none", ipc: str = "shared") -> Samples:
+                min_group_size: int = 2, codec: str = "none", ipc: str = "shared",
+                aggregation: str = "mean") -> Samples:
     """Daemons from LocalSwarm, one worker process per daemon, stepped with `go` lines."""
     from moshpitd.launcher import LaunchError, LocalSwarm
 
@@ -63,7 +64,7 @@ def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
                            ["--socket", sock, "--rank", str(i), "--peers", str(peers),
                             "--elems", str(elems), "--timeout", str(timeout),
                             "--min-group-size", str(min_group_size), "--codec", codec,
-                            "--ipc", ipc], child_env())
+                            "--ipc", ipc, "--aggregation", aggregation], child_env())
                 for i, sock in enumerate(swarm.sockets)]
             _answers(workers, timeout=120.0)
             for rep in range(1 + repeat):

@@ -31,9 +31,11 @@ def main() -> int:
     p.add_argument("--min-group-size", type=int, default=2)
     p.add_argument("--ipc", choices=["shared", "copy"], default="shared")
     p.add_argument("--codec", default="none")
+    p.add_argument("--aggregation", default="mean")
     args = p.parse_args()
     torch.set_num_threads(1)
-    # Rank r contributes r everywhere, so every element of the average is (P - 1) / 2.
+    # Rank r contributes r everywhere, so every element of the average is (P - 1) / 2 (also
+    # for the robust aggregations: the values are symmetric about it and nobody is clipped).
     tensor = torch.full((args.elems,), float(args.rank), dtype=torch.float32)
     expected = (args.peers - 1) / 2
     with moshpit.Client(args.socket) as client:
@@ -52,7 +54,7 @@ def main() -> int:
                 (out,) = client.average([tensor], key=key, weight=1.0, timeout=args.timeout,
                                         group_size=args.peers,
                                         min_group_size=args.min_group_size,
-                                        codec=args.codec)
+                                        codec=args.codec, aggregation=args.aggregation)
                 seconds = time.perf_counter() - start
             except moshpit.MoshpitError as exc:
                 emit({"error": str(exc)})  # the daemon's error name is already in it

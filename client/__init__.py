@@ -1,6 +1,6 @@
 """moshpit: the trainer-side library for the moshpitd daemon."""
 
-from moshpit.client import Client, RoundInfo
+from moshpit.client import AGGREGATIONS, Client, RoundInfo
 from moshpit.errors import (
     AllreduceFailed,
     DaemonShuttingDown,
@@ -19,7 +19,7 @@ from moshpit.optimizer import Optimizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllreduceFailed", "Client", "DaemonShuttingDown", "DaemonUnavailable", "DuplicateRequest",
-    "GridMismatch", "GroupNotFound", "InvalidRequest", "MoshpitError", "Optimizer",
-    "ProtocolError", "RoundInfo", "SchemaMismatch", "StateUnavailable",
+    "AGGREGATIONS", "AllreduceFailed", "Client", "DaemonShuttingDown", "DaemonUnavailable",
+    "DuplicateRequest", "GridMismatch", "GroupNotFound", "InvalidRequest", "MoshpitError",
+    "Optimizer", "ProtocolError", "RoundInfo", "SchemaMismatch", "StateUnavailable",
 ]

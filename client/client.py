@@ -33,6 +33,15 @@ from moshpit.errors import (
 MAX_FRAME = 1 << 20
 ALIGN = 64
 _DTYPES = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+# How a group combines its members' values (the daemon's moshpitd/allreduce/robust.py).
+AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
+
+
+def check_aggregation(aggregation: str) -> str:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, not "
+                         f"{aggregation!r}")
+    return aggregation
 
 
 @dataclass(frozen=True)
@@ -115,16 +124,19 @@ class Client:
                 timeout: float = 30.0, group_size: int = 16, min_group_size: int = 2,
                 grid: tuple[int, int] | None = None, rounds: int = 1,
                 initial_coords: Sequence[int] | None = None,
-                codec: str = "none") -> list[torch.Tensor]:
+                codec: str = "none", aggregation: str = "mean") -> list[torch.Tensor]:
         """Weighted average of `tensors` with the peers averaging under `key`.
 
         With grid=(M, d), `key` names a run on the Moshpit grid: each call averages with this
         round's line of the grid (groups of up to M), and `rounds=k` chains k rounds, carrying
         weights as mass, so d rounds on a full grid give the exact weighted global mean.
         `codec` (none, fp16, bf16, int8) compresses parts on the wire; peers must agree.
+        `aggregation` (mean, trimmed_mean, centered_clip) is how the group combines values:
+        the robust ones bound what a minority of bad peers can do; peers must agree.
         Returns new tensors (same shapes, dtypes, devices) and leaves the inputs untouched,
         except for tensors made by `share()`: those are averaged in place and returned."""
         tensors = list(tensors)
+        check_aggregation(aggregation)
         with self._lock:
             shared = self._shared_layout(tensors)
             if shared is not None:  # tensors from share(): averaged where they lie
@@ -143,6 +155,7 @@ class Client:
                 "min_group_size": int(min_group_size),
                 "grid": None if grid is None else [int(grid[0]), int(grid[1])],
                 "rounds": int(rounds), "codec": str(codec), "buffer": bid,
+                "aggregation": aggregation,
                 "initial_coords": None if initial_coords is None else [int(c) for c in
                                                                        initial_coords],
             }, timeout=timeout + 10.0)
@@ -346,4 +359,4 @@ class Client:
         return b"".join(chunks)
 
 
-__all__ = ["Client", "InvalidRequest", "RoundInfo"]
+__all__ = ["AGGREGATIONS", "Client", "InvalidRequest", "RoundInfo"]

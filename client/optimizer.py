@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moshpit.client import Client, RoundInfo
+from moshpit.client import Client, RoundInfo, check_aggregation
 from moshpit.errors import DaemonUnavailable, MoshpitError
 from moshpit.trainer_state import (
     AveragingClient,
@@ -46,8 +46,8 @@ class Optimizer:
 
     `client` is a moshpit.Client or a socket path; after a DaemonUnavailable the next round
     opens a new connection to the same socket (a fresh Client replaces `opt.client`).
-    `grid`, `group_size`, `min_group_size`, `timeout`, `codec`, `initial_coords` go to
-    Client.average as they are.
+    `grid`, `group_size`, `min_group_size`, `timeout`, `codec`, `initial_coords`,
+    `aggregation` go to Client.average as they are.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, client: AveragingClient | str,
@@ -55,9 +55,11 @@ class Optimizer:
                  group_size: int = 16, min_group_size: int = 2, average_state: bool = False,
                  model: nn.Module | None = None, overlap: bool = False, timeout: float = 30.0,
                  codec: str = "none", initial_coords: Sequence[int] | None = None,
-                 share_memory: bool = True, publish_every: int = 1) -> None:
+                 share_memory: bool = True, publish_every: int = 1,
+                 aggregation: str = "mean") -> None:
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, not {average_every}")
+        self.aggregation = check_aggregation(aggregation)
         self.optimizer = optimizer
         self.key = key
         self.average_every = average_every
@@ -297,7 +299,8 @@ class Optimizer:
         args: dict[str, Any] = dict(key=self.key, timeout=self.timeout,
                                     group_size=self.group_size,
                                     min_group_size=self.min_group_size, grid=self.grid,
-                                    codec=self.codec, initial_coords=self.initial_coords)
+                                    codec=self.codec, initial_coords=self.initial_coords,
+                                    aggregation=self.aggregation)
         out = client.average(wire, weight=float(max(samples, 1)), **{**args, **(overrides or {})})
         if len(out) != len(wire):
             raise MoshpitError(f"the client returned {len(out)} tensors for {len(wire)}")

@@ -270,7 +270,8 @@ class MoshpitNode:
         final = start + timeout
         attempt = min(self.config.matchmaking_seconds, timeout)
         match = MatchRequest(
-            key=key, schema_hash=schema_hash(request.specs, request.codec), weight=weight,
+            key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation),
+            weight=weight,
             target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, expected=expected, codec=request.codec,
             client_mode=self.config.client_mode, settle_seconds=self._settle.seconds,
@@ -317,7 +318,7 @@ class MoshpitNode:
             raise AllreduceError(f"every member of the group under {key!r} has weight 0: "
                                  "there is no weighted mean")
         try:
-            result = await self._allreduce(group, view, final)
+            result = await self._allreduce(group, view, final, request.aggregation)
         except BaseException:
             self.log.record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed",
                          request.codec)
@@ -330,11 +331,12 @@ class MoshpitNode:
                            start, assembled, outcome, group.codec, result.excluded_parts)
         return rec, group
 
-    async def _allreduce(self, group: Group, view: FlatView, final: float) -> RoundResult:
+    async def _allreduce(self, group: Group, view: FlatView, final: float,
+                         aggregation: str = "mean") -> RoundResult:
         self.fault.begin_round()
         rnd = ButterflyRound(group, group.index_of(self.peer_id), view,
                              get_codec(group.codec), self.registry.connect,
-                             self.config.part_bytes, self.fault)
+                             self.config.part_bytes, self.fault, aggregation)
         n = len(group.members)
         moved = 2 * sum(view.specs[i].nbytes for i in range(len(view.specs))) * (n - 1) // n
         budget = self.deadlines.budget(moved)

@@ -27,6 +27,7 @@ class AverageRequest:
     rounds: int = 1
     initial_coords: tuple[int, ...] | None = None
     codec: str = "none"
+    aggregation: str = "mean"  # or trimmed_mean, centered_clip (moshpitd/allreduce/robust.py)
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ class _OwnerLink:
 class ButterflyRound:
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
                  connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
-                 fault: FaultPlan | None = None) -> None:
+                 fault: FaultPlan | None = None, aggregation: str = "mean") -> None:
         self.group = group
         self.me = my_index
         self.view = view
@@ -192,7 +192,8 @@ class ButterflyRound:
         self.dtypes = {i: np.dtype(r.dtype) for i, r in enumerate(view.runs)}
         self.max_part_bytes = max([codec.encoded_size(p.numel, self.dtypes[p.run])
                                    for p in self.parts] or [0])
-        self.reducer = PartReducer(self.my_parts, self.dtypes, senders=len(group.members))
+        self.reducer = PartReducer(self.my_parts, self.dtypes, senders=len(group.members),
+                                   aggregation=aggregation)
         self.applied: dict[int, int] = {}  # part -> bitmask averaged into our buffer (0: local)
         self.slots: dict[int, _SenderSlot] = {}
         self.excluded_parts: dict[str, int] = {}

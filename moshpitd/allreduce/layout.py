@@ -90,10 +90,14 @@ def schema_of(specs: Sequence[TensorSpec]) -> list[tuple[str, tuple[int, ...]]]:
     return [(s.dtype, s.shape) for s in specs]
 
 
-def schema_hash(specs: Sequence[TensorSpec], codec: str = "none") -> bytes:
+def schema_hash(specs: Sequence[TensorSpec], codec: str = "none",
+                aggregation: str = "mean") -> bytes:
     """Peers may only average tensors of identical dtypes and shapes, in the same order, sent
-    with the same wire codec."""
-    packed = msgpack.packb([[[d, list(shape)] for d, shape in schema_of(specs)], codec])
+    with the same wire codec and aggregated the same way (the mean hashes as it always did)."""
+    fields: list[object] = [[[d, list(shape)] for d, shape in schema_of(specs)], codec]
+    if aggregation != "mean":
+        fields.append(aggregation)
+    packed = msgpack.packb(fields)
     return hashlib.sha256(packed).digest()[:16]
 
 

@@ -6,6 +6,10 @@ delivered in the mean and finalises the parts that were waiting only for it. Eac
 says exactly which senders it averages (a bitmask), so every returned element can be checked.
 
 float32 and float16 parts accumulate in float32 (as gloo does), float64 in float64.
+
+A robust aggregation (moshpitd/allreduce/robust.py) cannot accumulate: it keeps each sender's
+contribution (one float64 row per sender, group size x part size per part) and aggregates the
+rows that arrived when the part becomes final. The mean never allocates those rows.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moshpitd.allreduce.layout import Part, all_finite
+from moshpitd.allreduce.robust import aggregate, check_aggregation
 
 
 class ReductionError(ValueError):
@@ -26,14 +31,17 @@ class ReductionError(ValueError):
 class _Slot:
     part: Part
     dtype: np.dtype
-    acc: np.ndarray | None = None
+    acc: np.ndarray | None = None  # mean: Σ w·x so far; robust: one row per sender
     weight: float = 0.0
     mask: int = 0
+    weights: np.ndarray | None = None  # robust: each sender's weight
 
 
 class PartReducer:
-    def __init__(self, parts: Iterable[Part], dtypes: dict[int, np.dtype], senders: int) -> None:
+    def __init__(self, parts: Iterable[Part], dtypes: dict[int, np.dtype], senders: int,
+                 aggregation: str = "mean") -> None:
         self.expected = senders
+        self.aggregation = check_aggregation(aggregation)
         self.excluded = 0  # bitmask of excluded senders
         self._slots = {p.index: _Slot(p, np.dtype(dtypes[p.run])) for p in parts}
         self._results: dict[int, np.ndarray] = {}
@@ -57,6 +65,9 @@ class PartReducer:
             )
         if not trusted and not all_finite(values):
             raise ReductionError(f"sender {sender} sent non-finite values in part {part_index}")
+        if self.aggregation != "mean":
+            self._keep(slot, sender, weight, values)
+            return self.is_final(part_index)
         acc_dtype = np.float64 if slot.dtype == np.float64 else np.float32
         if slot.acc is None:
             slot.acc = np.multiply(values, weight, dtype=acc_dtype)
@@ -71,6 +82,16 @@ class PartReducer:
         slot.weight += weight
         slot.mask |= bit
         return self.is_final(part_index)
+
+    def _keep(self, slot: _Slot, sender: int, weight: float, values: np.ndarray) -> None:
+        if slot.acc is None:
+            slot.acc = np.empty((self.expected, slot.part.numel), dtype=np.float64)
+            slot.weights = np.zeros(self.expected)
+        assert slot.weights is not None
+        slot.acc[sender] = values  # the one copy: staging buffers are reused for the next part
+        slot.weights[sender] = weight
+        slot.weight += weight
+        slot.mask |= 1 << sender
 
     def lacking(self, sender: int) -> int:
         """How many of our parts have nothing from sender yet."""
@@ -98,7 +119,7 @@ class PartReducer:
     def mask(self, part_index: int) -> int:
         """Senders averaged into the part's result; 0 when there is no average."""
         slot = self._slots[part_index]
-        return slot.mask if slot.acc is not None and slot.weight > 0 else 0
+        return slot.mask if slot.weight > 0 else 0  # a positive weight came with values
 
     def result(self, part_index: int) -> np.ndarray:
         """Σ w·x / Σ w in the part's dtype, computed once (in place when dtypes agree)."""
@@ -108,6 +129,8 @@ class PartReducer:
         slot = self._slots[part_index]
         if slot.acc is None or slot.weight <= 0:
             raise ReductionError(f"part {part_index} has no weighted contribution")
+        if self.aggregation != "mean":
+            return self._robust(part_index, slot)
         if not self.is_final(part_index):  # a preview: leave the accumulator alone
             return (slot.acc / slot.weight).astype(slot.dtype)
         if slot.acc.dtype == slot.dtype:
@@ -116,6 +139,23 @@ class PartReducer:
         else:
             out = (slot.acc / slot.weight).astype(slot.dtype)
         self._results[part_index] = out
+        return out
+
+    def _robust(self, part_index: int, slot: _Slot) -> np.ndarray:
+        """The aggregate of the rows that arrived; once final, computed once and the rows
+        freed."""
+        assert slot.acc is not None and slot.weights is not None
+        rows = [i for i in range(self.expected) if slot.mask >> i & 1]  # over senders
+        final = self.is_final(part_index)
+        if len(rows) == self.expected:
+            stack, weights, scratch = slot.acc, slot.weights, final
+        else:  # an excluded sender's row was never filled
+            stack, weights, scratch = slot.acc[rows], slot.weights[rows], True
+        out = aggregate(self.aggregation, stack, weights, overwrite=scratch)
+        out = out.astype(slot.dtype, copy=False)
+        if final:
+            self._results[part_index] = out
+            slot.acc = slot.weights = None
         return out
 
     def contributors(self, part_index: int) -> int:

@@ -3,7 +3,7 @@
 Operations (each a msgpack map with "op"; replies carry the request's "id"):
   hello                      -> peer id and version
   attach {size}  + one fd    -> maps the trainer's memfd (replaces any earlier buffer)
-  average {key, tensors, weight, timeout, group_size, min_group_size}
+  average {key, tensors, weight, timeout, group_size, min_group_size, aggregation, ...}
                              -> averages tensors in the buffer in place
   status, rounds, peers      -> daemon state for the CLI
 Any malformed frame gets an error reply; a frame that breaks the framing closes the connection.
@@ -22,6 +22,7 @@ from moshpitd import __version__
 from moshpitd.allreduce.butterfly import AllreduceError
 from moshpitd.allreduce.codecs import CODECS
 from moshpitd.allreduce.layout import FlatView, LayoutError, specs_from_wire
+from moshpitd.allreduce.robust import AGGREGATIONS
 from moshpitd.ipc.buffer import BufferError_, SharedBuffer
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
 from moshpitd.matchmaking.errors import MatchmakingError
@@ -211,8 +212,12 @@ class Session:
         codec = _field(msg, "codec", str, "none")
         if codec not in CODECS:
             raise RequestError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
+        aggregation = _field(msg, "aggregation", str, "mean")
+        if aggregation not in AGGREGATIONS:
+            raise RequestError(f"aggregation {aggregation!r} is not one of "
+                               f"{', '.join(AGGREGATIONS)}")
         request = AverageRequest(key, specs, weight, timeout, group_size, min_group, grid,
-                                 rounds, coords, codec)
+                                 rounds, coords, codec, aggregation)
         self._start_task(self._average(request, self.buffers[bid]), "average", rid)
 
     def _start_task(self, coro: Any, op: str, rid: Any) -> None:
