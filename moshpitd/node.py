@@ -18,7 +18,9 @@ from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, schema_hash
 from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
+from moshpitd.auth import SwarmKey
 from moshpitd.dht.network import DHTNode
+from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.matchmaking.errors import DuplicateRequest, GroupNotFound, NoPartners
 from moshpitd.matchmaking.grid import carried_weight
 from moshpitd.matchmaking.matchmaker import (
@@ -36,6 +38,7 @@ from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog, RoundRecord
 from moshpitd.state import StateStore
 from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE, AveragerServer, ChannelPool
+from moshpitd.transport.security import Security, TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +70,27 @@ class NodeConfig:
     part_bytes: int = DEFAULT_PART_BYTES
     max_message: int = DEFAULT_MAX_MESSAGE
     matchmaking_seconds: float = 5.0
+    swarm_key: SwarmKey | None = None  # seals DHT datagrams, gRPC messages, data-plane HELLOs
+    tls: TLSFiles | None = None  # mutual TLS on gRPC
+    max_group_size: int = 256
+    max_request_bytes: int = 4 << 30
+    dht_max_records_per_key: int = 256
+    dht_max_value_bytes: int = 1024
+    max_parts_in_flight: int = 64
 
 
 class MoshpitNode:
     def __init__(self, config: NodeConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
-        self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout)
-        self.pool = ChannelPool(config.max_message)
-        self.server = AveragerServer(self._handle_join, self._handle_state, config.max_message)
-        self.registry = RoundRegistry(config.part_bytes * 2 + 4096)
+        security = Security(config.swarm_key, config.tls)
+        self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout, auth=config.swarm_key,
+                           storage=SubkeyStorage(max_subkeys=config.dht_max_records_per_key,
+                                                 max_value_bytes=config.dht_max_value_bytes))
+        self.pool = ChannelPool(config.max_message, security)
+        self.server = AveragerServer(self._handle_join, self._handle_state, config.max_message,
+                                     security)
+        self.registry = RoundRegistry(config.part_bytes * 2 + 4096, config.swarm_key)
         self.deadlines = DeadlinePolicy()
         self._settle = SettlePolicy()
         self.fault = FaultPlan.from_env()
@@ -202,6 +216,10 @@ class MoshpitNode:
     # --- one averaging request ------------------------------------------------------------
     async def average(self, request: AverageRequest, buffer: memoryview) -> AverageResult:
         view = FlatView(buffer, request.specs)
+        total = sum(spec.nbytes for spec in view.specs)
+        if total > self.config.max_request_bytes:
+            raise ValueError(f"request carries {total} tensor bytes, over this daemon's limit "
+                             f"{self.config.max_request_bytes} (setting max_request_bytes)")
         view.check_finite()  # NaN or Inf is refused here, before it reaches any peer
         if self.draining:
             raise ShuttingDown("moshpitd is shutting down: it takes no new rounds")
@@ -277,7 +295,7 @@ class MoshpitNode:
             client_mode=self.config.client_mode, settle_seconds=self._settle.seconds,
         )
         me = Self(self.peer_id, self.grpc_endpoint, self.data_endpoint, self.config.bandwidth)
-        mm = Matchmaker(me, self.dht, self.pool, match, watcher)
+        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self._probe)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt else timeout))
         self._finding[key] = finding
@@ -337,6 +355,8 @@ class MoshpitNode:
         rnd = ButterflyRound(group, group.index_of(self.peer_id), view,
                              get_codec(group.codec), self.registry.connect,
                              self.config.part_bytes, self.fault, aggregation)
+        if self.config.swarm_key is not None:
+            rnd.seal_hello = self.registry.hello
         n = len(group.members)
         moved = 2 * sum(view.specs[i].nbytes for i in range(len(view.specs))) * (n - 1) // n
         budget = self.deadlines.budget(moved)

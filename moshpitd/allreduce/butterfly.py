@@ -175,6 +175,8 @@ class _OwnerLink:
 
 
 class ButterflyRound:
+    seal_hello: Callable[[bytes, int], bytes] | None = None
+
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
                  connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
                  fault: FaultPlan | None = None, aggregation: str = "mean") -> None:
@@ -256,7 +258,10 @@ class ButterflyRound:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                 channel = await self.connect(member.data_endpoint, link)
             self._channels.append(channel)
-            await channel.send(HELLO, 0, self.group.group_id, aux=self.me)
+            hello = self.group.group_id
+            if self.seal_hello is not None:  # swarm key: reducers only take sealed streams
+                hello = self.seal_hello(hello, self.me)
+            await channel.send(HELLO, 0, hello, aux=self.me)
             for i, p in enumerate(self.by_owner[link.owner]):
                 await self.fault.during_send(i)
                 await channel.send(PART, p.index, self.codec.encode(self.view.read(p)))

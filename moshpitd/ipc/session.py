@@ -176,8 +176,12 @@ class Session:
             raise RequestError("weight must be a finite number >= 0")
         if not (math.isfinite(timeout) and 0 < timeout <= 3600):
             raise RequestError("timeout must be in (0, 3600] seconds")
-        if not 1 <= min_group <= group_size <= 1024:
-            raise RequestError("need 1 <= min_group_size <= group_size <= 1024")
+        if not 1 <= min_group <= group_size:
+            raise RequestError("need 1 <= min_group_size <= group_size")
+        limit = self.node.config.max_group_size
+        if group_size > limit:
+            raise RequestError(f"group_size {group_size} exceeds this daemon's limit {limit} "
+                               "(setting max_group_size)")
         bid = _field(msg, "buffer", int, 0)
         if bid not in self.buffers:
             raise RequestError(f"no shared buffer {bid} attached: send 'attach' with a memfd "
