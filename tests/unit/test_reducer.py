@@ -60,7 +60,12 @@ def test_weighted_mean_matches_numpy(
     acc_eps = float(np.finfo(np.float64 if dtype is np.float64 else np.float32).eps)
     w = np.asarray(weights, dtype=np.float64)[:, None]
     spread = float((np.abs(stack) * w).sum(0).max() / w.sum())
-    atol = float(info.smallest_subnormal) + 2 * n * acc_eps * spread
+    # products w*x below the accumulator's normal range round to its subnormal spacing: an
+    # absolute error per product, magnified by the division by sum w
+    acc_tiny = float(np.finfo(np.float64 if dtype is np.float64 else np.float32)
+                     .smallest_subnormal)
+    atol = (float(info.smallest_subnormal) + 2 * n * acc_eps * spread
+            + n * acc_tiny / float(w.sum()))
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=float(info.eps), atol=atol)
 
 
