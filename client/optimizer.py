@@ -36,6 +36,7 @@ from moshpit.trainer_state import (
 
 log = logging.getLogger(__name__)
 
+
 class Optimizer:
     """Wraps a torch optimizer; step() takes a local step and averages every few steps.
 
@@ -61,16 +62,10 @@ class Optimizer:
             raise ValueError(f"average_every must be >= 1, not {average_every}")
         self.aggregation = check_aggregation(aggregation)
         self.optimizer = optimizer
-        self.key = key
-        self.average_every = average_every
-        self.grid = grid
-        self.group_size = group_size
-        self.min_group_size = min_group_size
-        self.average_state = average_state
-        self.model = model
-        self.overlap = overlap
-        self.timeout = timeout
-        self.codec = codec
+        self.key, self.average_every, self.grid = key, average_every, grid
+        self.group_size, self.min_group_size = group_size, min_group_size
+        self.average_state, self.model, self.overlap = average_state, model, overlap
+        self.timeout, self.codec = timeout, codec
         self.initial_coords = None if initial_coords is None else tuple(initial_coords)
         self.share_memory = share_memory
         self.publish_every = publish_every  # rounds between state snapshots for joiners (0: off)

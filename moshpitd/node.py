@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import grpc
@@ -16,9 +16,8 @@ from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundRe
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
-from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, schema_hash
+from moshpitd.allreduce.layout import FlatView, schema_hash
 from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
-from moshpitd.auth import SwarmKey
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.matchmaking.errors import DuplicateRequest, GroupNotFound, NoPartners
@@ -34,49 +33,19 @@ from moshpitd.matchmaking.matchmaker import (
 from moshpitd.matchmaking.request import SettlePolicy
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
 from moshpitd.metrics import Metrics
+from moshpitd.node_config import NodeConfig, ShuttingDown, format_hostport
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog, RoundRecord
 from moshpitd.state import StateStore
-from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE, AveragerServer, ChannelPool
-from moshpitd.transport.security import Security, TLSFiles
+from moshpitd.transport.grpc_server import AveragerServer, ChannelPool
+from moshpitd.transport.security import Security
 
 log = logging.getLogger(__name__)
 
 
-class ShuttingDown(Exception):
-    """The daemon is draining: it takes no new rounds and left the one it was matching for."""
-
 PROBE_TIMEOUT = 1.0
 LAG_TICK = 0.1
 LAG_WARN = 0.25
-
-
-def format_hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    dht_host: str = "127.0.0.1"
-    dht_port: int = 0
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int = 0
-    advertise_host: str = ""  # how peers reach us; default grpc_host
-    data_port: int = 0  # the data plane listens on grpc_host
-    bandwidth: float = 1.0  # relative share of each vector this peer offers to reduce
-    client_mode: bool = False
-    bootstrap: tuple[tuple[str, int], ...] = ()
-    dht_rpc_timeout: float = 1.0
-    part_bytes: int = DEFAULT_PART_BYTES
-    max_message: int = DEFAULT_MAX_MESSAGE
-    matchmaking_seconds: float = 5.0
-    swarm_key: SwarmKey | None = None  # seals DHT datagrams, gRPC messages, data-plane HELLOs
-    tls: TLSFiles | None = None  # mutual TLS on gRPC
-    max_group_size: int = 256
-    max_request_bytes: int = 4 << 30
-    dht_max_records_per_key: int = 256
-    dht_max_value_bytes: int = 1024
-    max_parts_in_flight: int = 64
 
 
 class MoshpitNode:
