@@ -323,7 +323,8 @@ class MoshpitNode:
         self.fault.begin_round()
         rnd = ButterflyRound(group, group.index_of(self.peer_id), view,
                              get_codec(group.codec), self.registry.connect,
-                             self.config.part_bytes, self.fault, aggregation)
+                             self.config.part_bytes, self.fault, aggregation,
+                             self.config.max_parts_in_flight)
         if self.config.swarm_key is not None:
             rnd.seal_hello = self.registry.hello
         n = len(group.members)

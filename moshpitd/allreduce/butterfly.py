@@ -123,7 +123,9 @@ class _OwnerLink:
         self.rnd = rnd
         self.owner = owner
         self.waiting = {p.index for p in parts}
+        self.total = len(parts)
         self.done = asyncio.Event()
+        self.progress = asyncio.Event()  # set per result: the send window moves
         self.failure: str | None = None
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
@@ -159,6 +161,10 @@ class _OwnerLink:
         self.waiting.discard(part)
         if not self.waiting:
             self.done.set()
+        self.progress.set()
+
+    def in_flight(self, sent: int) -> int:
+        return sent - (self.total - len(self.waiting))
 
     def on_close(self, exc: BaseException | None) -> None:
         if self.waiting and self.failure is None:
@@ -172,6 +178,7 @@ class _OwnerLink:
             log.info("owner %d failed: %s; its %d remaining parts keep local values",
                      self.owner, why, len(self.waiting))
         self.done.set()
+        self.progress.set()
 
 
 class ButterflyRound:
@@ -179,8 +186,10 @@ class ButterflyRound:
 
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
                  connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
-                 fault: FaultPlan | None = None, aggregation: str = "mean") -> None:
+                 fault: FaultPlan | None = None, aggregation: str = "mean",
+                 max_in_flight: int = 64) -> None:
         self.group = group
+        self.max_in_flight = max_in_flight
         self.me = my_index
         self.view = view
         self.codec = codec
@@ -263,6 +272,11 @@ class ButterflyRound:
                 hello = self.seal_hello(hello, self.me)
             await channel.send(HELLO, 0, hello, aux=self.me)
             for i, p in enumerate(self.by_owner[link.owner]):
+                while link.in_flight(i) >= self.max_in_flight and not link.done.is_set():
+                    link.progress.clear()  # the owner is behind: wait for its next answer
+                    await link.progress.wait()
+                if link.done.is_set():
+                    break  # it failed or excluded us: nothing more to send
                 await self.fault.during_send(i)
                 await channel.send(PART, p.index, self.codec.encode(self.view.read(p)))
             await link.done.wait()

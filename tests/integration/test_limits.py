@@ -60,3 +60,22 @@ def test_limits_refuse_with_the_setting_named(tmp_path: Path) -> None:
         assert d.alive()
     finally:
         d.stop()
+
+
+def test_one_part_in_flight_still_gives_the_exact_mean(tmp_path: Path) -> None:
+    """max_parts_in_flight=1: each sender waits for every answer before its next part (the
+    strictest window) and the round still completes with the exact mean."""
+    from moshpitd.launcher import LocalSwarm
+    from tests.integration.helpers import run_parallel
+
+    with LocalSwarm(3, workdir=tmp_path, extra_args=["--max-parts-in-flight", "1",
+                                                     "--part-size", "4096"]) as swarm:
+        def one(i: int) -> torch.Tensor:
+            with moshpit.Client(swarm.sockets[i]) as c:
+                (out,) = c.average([torch.arange(30_000, dtype=torch.float64) + 3 * i],
+                                   key="window", group_size=3, timeout=20)
+                return out
+        results = run_parallel([lambda i=i: one(i) for i in range(3)])  # type: ignore[misc]
+    want = torch.arange(30_000, dtype=torch.float64) + 3.0
+    for r in results:
+        assert isinstance(r, torch.Tensor) and torch.equal(r, want), r
