@@ -115,7 +115,7 @@ class MoshpitNode:
             await asyncio.sleep(delay)
             if self.dht.peer_count() == 0:
                 await self.dht.join(list(self.config.bootstrap))
-                delay = min(delay * 2, 10.0)
+                delay = min(delay * 2, 2.0)  # a few datagrams: rejoin soon after a cut
             else:
                 delay = 5.0
 
@@ -335,7 +335,7 @@ class MoshpitNode:
         deadline = time.monotonic() + max(min(budget, remaining - grace), 0.05)
         self.registry.register(rnd)
         try:
-            result = await rnd.run(deadline, grace)
+            result = await rnd.run(deadline, grace, hard=final - grace)
         finally:
             self.registry.unregister(group.group_id)
         if result.parts_averaged == result.parts:

@@ -4,7 +4,9 @@ Member j reduces span j. Every member streams its parts of span j to member j, w
 them as they arrive and streams each averaged part back as soon as it is final (DESIGN §5).
 
 Faults follow one deadline per round: a sender whose connection breaks is excluded at once, one
-that is merely silent is excluded at the deadline; parts it delivered stay in the mean. A reducer
+that is silent at the deadline is excluded then (one whose bytes still flow, on a slow link, is
+waited for in STALL_WINDOW steps up to the request's timeout); parts it delivered stay in the
+mean. A reducer
 that fails leaves its span at our local values. Every result carries the bitmask of the senders
 it averages, so the caller learns exactly what each element is.
 """
@@ -21,16 +23,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moshpitd.allreduce.codecs import Codec, CodecError
-from moshpitd.allreduce.faults import STALL_SECONDS, FaultPlan
+from moshpitd.allreduce.codecs import Codec
+from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, Part, plan_parts
+from moshpitd.allreduce.links import STALL_WINDOW, OwnerLink, SenderSlot
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
 from moshpitd.transport.dataplane import (
-    ABORT,
     HELLO,
     PART,
-    RESULT,
     Channel,
     DataPlaneError,
     FrameSink,
@@ -59,128 +60,6 @@ class RoundResult:
     excluded_parts: dict[str, int] = field(default_factory=dict)  # fault kind -> parts
 
 
-class _SenderSlot:
-    """Reducer side: frames from one sender."""
-
-    def __init__(self, rnd: ButterflyRound, sender: int, channel: Channel) -> None:
-        self.rnd = rnd
-        self.sender = sender
-        self.channel = channel
-        self.expected = {p.index for p in rnd.my_parts}
-        self.staging = bytearray(rnd.max_part_bytes)
-        self.outbox: asyncio.Queue[int] = asyncio.Queue()
-
-    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        if kind != PART:
-            return None
-        p = self.rnd.part(part)
-        if p is None or part not in self.expected:
-            raise DataPlaneError(f"member {self.sender} sent part {part}, not expected here")
-        want = self.rnd.codec.encoded_size(p.numel, self.rnd.dtypes[p.run])
-        if length != want:
-            raise DataPlaneError(f"part {part}: {length} bytes, expected {want}")
-        return memoryview(self.staging)[:length]
-
-    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
-        if kind == PART:
-            self.expected.discard(part)
-            p = self.rnd.parts[part]
-            try:
-                values = self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run])
-                self.rnd.contribute(p, self.sender, values)
-            except (ReductionError, CodecError) as exc:
-                self.rnd.exclude(self.sender, str(exc), "bad_data")
-                self.channel.abort(exc)
-        elif kind == ABORT:
-            self.rnd.exclude(self.sender, f"it aborted: {bytes(payload).decode(errors='replace')}",
-                             "aborted")
-        else:
-            self.rnd.exclude(self.sender, f"unexpected frame kind {kind}", "protocol")
-            self.channel.abort(f"unexpected frame kind {kind}")
-
-    def on_close(self, exc: BaseException | None) -> None:
-        if self.expected:
-            self.rnd.exclude(self.sender, f"its stream closed ({exc or 'EOF'})", "disconnected")
-
-    async def write_results(self) -> None:
-        """Results go back in the order parts become final."""
-        while True:
-            index = await self.outbox.get()
-            mask = self.rnd.reducer.mask(index)
-            payload = self.rnd.result_payload(index) if mask else b""
-            if self.rnd.fault.stall_reduce():
-                await asyncio.sleep(STALL_SECONDS)
-            try:
-                await self.channel.send(RESULT, index, payload, aux=mask)
-            except DataPlaneError:
-                return  # the sender is gone; its link will report that on its side
-
-
-class _OwnerLink:
-    """Sender side: averaged parts coming back from one owner."""
-
-    def __init__(self, rnd: ButterflyRound, owner: int, parts: list[Part]) -> None:
-        self.rnd = rnd
-        self.owner = owner
-        self.waiting = {p.index for p in parts}
-        self.total = len(parts)
-        self.done = asyncio.Event()
-        self.progress = asyncio.Event()  # set per result: the send window moves
-        self.failure: str | None = None
-
-    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        if kind != RESULT:
-            return None
-        p = self.rnd.part(part)
-        if p is None or p.owner != self.owner or part not in self.waiting:
-            raise DataPlaneError(f"owner {self.owner} returned part {part}, not expected")
-        dtype = self.rnd.dtypes[p.run]
-        want = self.rnd.codec.encoded_size(p.numel, dtype) if aux else 0
-        if length != want:
-            raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
-        if aux and self.rnd.codec.name == "none":
-            direct = self.rnd.view.region(p)
-            if direct is not None:
-                return direct  # straight into the trainer's buffer
-        return None
-
-    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
-        if kind == ABORT:
-            self.fail(bytes(payload).decode(errors="replace"))
-            return
-        if kind != RESULT:
-            self.fail(f"unexpected frame kind {kind}")
-            return
-        p = self.rnd.parts[part]
-        if aux and (aux >> len(self.rnd.group.members)):
-            self.fail(f"result {part} names members that do not exist")
-            return
-        if aux and not (self.rnd.codec.name == "none" and self.rnd.view.region(p) is not None):
-            self.rnd.view.write(p, self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run]))
-        self.rnd.applied[part] = aux
-        self.waiting.discard(part)
-        if not self.waiting:
-            self.done.set()
-        self.progress.set()
-
-    def in_flight(self, sent: int) -> int:
-        return sent - (self.total - len(self.waiting))
-
-    def on_close(self, exc: BaseException | None) -> None:
-        if self.waiting and self.failure is None:
-            self.fail(f"stream closed ({exc or 'EOF'})")
-            # Closed without a word: its daemon is gone, so stop waiting for its parts too.
-            self.rnd.exclude(self.owner, "its connection dropped", "disconnected")
-
-    def fail(self, why: str) -> None:
-        if self.failure is None and self.waiting:
-            self.failure = why
-            log.info("owner %d failed: %s; its %d remaining parts keep local values",
-                     self.owner, why, len(self.waiting))
-        self.done.set()
-        self.progress.set()
-
-
 class ButterflyRound:
     seal_hello: Callable[[bytes, int], bytes] | None = None
 
@@ -206,7 +85,7 @@ class ButterflyRound:
         self.reducer = PartReducer(self.my_parts, self.dtypes, senders=len(group.members),
                                    aggregation=aggregation)
         self.applied: dict[int, int] = {}  # part -> bitmask averaged into our buffer (0: local)
-        self.slots: dict[int, _SenderSlot] = {}
+        self.slots: dict[int, SenderSlot] = {}
         self.excluded_parts: dict[str, int] = {}
         self._payloads: dict[int, memoryview] = {}
         self._own_done = asyncio.Event()
@@ -220,29 +99,24 @@ class ButterflyRound:
         return self.parts[index] if 0 <= index < len(self.parts) else None
 
     # --- the round, from our side -----------------------------------------------------
-    async def run(self, deadline: float, grace: float) -> RoundResult:
+    async def run(self, deadline: float, grace: float, hard: float | None = None
+                  ) -> RoundResult:
+        """`deadline` is when a healthy round should be over; a peer whose bytes still flow
+        then (a slow link, not a dead peer) gets STALL_WINDOW more at a time, up to `hard`."""
         start = time.monotonic()
+        hard = deadline if hard is None else max(hard, deadline)
         self.fault.before_send()
         weight = self.group.members[self.me].weight
         for p in self.my_parts:
             self.contribute(p, self.me, self.view.read(p), weight)
         if not self._pending_own:
             self._own_done.set()
-        links = [_OwnerLink(self, owner, parts) for owner, parts in self.by_owner.items()
+        links = [OwnerLink(self, owner, parts) for owner, parts in self.by_owner.items()
                  if owner != self.me]
         tasks = [asyncio.create_task(self._exchange(link, deadline)) for link in links]
         try:
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                    await self._own_done.wait()
-            except TimeoutError:
-                for sender in self._incomplete_senders():
-                    self.exclude(sender, "silent past the round's deadline", "timeout")
-            waits = [link.done.wait() for link in links]
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(deadline + grace - time.monotonic(), 0)):
-                    await asyncio.gather(*waits)
-                    await self._drain_writers()
+            await self._wait_for_senders(deadline, hard)
+            await self._wait_for_owners(links, deadline + grace, hard + grace)
             for link in links:
                 link.fail("no result by the round's deadline")
         except BaseException:
@@ -261,7 +135,7 @@ class ButterflyRound:
                 ch.close()
         return self._result(time.monotonic() - start)
 
-    async def _exchange(self, link: _OwnerLink, deadline: float) -> None:
+    async def _exchange(self, link: OwnerLink, deadline: float) -> None:
         member = self.group.members[link.owner]
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
@@ -309,7 +183,7 @@ class ButterflyRound:
             raise DataPlaneError(f"sender index {sender} is not valid in this group")
         if sender in self.slots or self.reducer.excluded >> sender & 1:
             raise DataPlaneError(f"sender {sender} already streamed or was excluded")
-        slot = _SenderSlot(self, sender, channel)
+        slot = SenderSlot(self, sender, channel)
         self.slots[sender] = slot
         self._channels.append(channel)
         task = asyncio.create_task(slot.write_results())
@@ -352,6 +226,46 @@ class ButterflyRound:
                 slot.outbox.put_nowait(index)
         if not self._pending_own:
             self._own_done.set()
+
+    async def _wait_for_senders(self, deadline: float, hard: float) -> None:
+        """Until our parts are final; exclude senders that stopped sending."""
+        seen: dict[int, int] = {}
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                    await self._own_done.wait()
+                return
+            now = time.monotonic()
+            moving = False
+            for sender in self._incomplete_senders():
+                slot = self.slots.get(sender)
+                got = slot.channel.bytes_in if slot is not None else 0
+                if got > seen.get(sender, 0) and now < hard:
+                    seen[sender], moving = got, True
+                else:
+                    self.exclude(sender, "silent past the round's deadline", "timeout")
+            if not moving:
+                return
+            deadline = min(now + STALL_WINDOW, hard)
+
+    async def _wait_for_owners(self, links: list[OwnerLink], deadline: float,
+                               hard: float) -> None:
+        """Until every owner answered all our parts (or failed) and our results went out.
+        An owner may be waiting on a slow third member: while bytes still move anywhere in
+        the round, keep waiting."""
+        moved = -1
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                    await asyncio.gather(*(link.done.wait() for link in links))
+                    await self._drain_writers()
+                return
+            now = time.monotonic()
+            channels = [*self._channels, *(slot.channel for slot in self.slots.values())]
+            total = sum(ch.bytes_in + ch.bytes_out for ch in channels)
+            if total <= moved or now >= hard:
+                return
+            moved, deadline = total, min(now + STALL_WINDOW, hard)
 
     def _incomplete_senders(self) -> list[int]:
         """Senders some of our parts still wait for."""

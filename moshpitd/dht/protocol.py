@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MAX_DATAGRAM = 65507
 DEPARTED_SECONDS = 60.0
+MISSES_TO_DROP = 2
 ID_BYTES = 20
 
 
@@ -46,6 +47,7 @@ class SubkeyProtocol(KademliaProtocol):
         # (direction, rpc, result) -> count, read by the metrics collector at scrape time
         self.rpcs: Counter[tuple[str, str, str]] = Counter()
         self.departed: dict[bytes, float] = {}  # said goodbye -> until when we ignore it
+        self._misses: dict[bytes, int] = {}  # contact -> unanswered RPCs in a row
 
     # --- datagram handling: never let a peer's bytes raise inside an unowned task ----------
     def connection_made(self, transport: Any) -> None:
@@ -183,7 +185,19 @@ class SubkeyProtocol(KademliaProtocol):
         return subs if isinstance(subs, list) else None
 
     def handle_call_response(self, result: Any, node: Node) -> Any:
+        """kademlia drops a contact at its first unanswered RPC; one lost datagram on a lossy
+        link must not cost a live contact, so it takes MISSES_TO_DROP in a row."""
         self.rpcs["sent", "any", "ok" if result[0] else "timeout"] += 1
+        nid = bytes(node.id)
+        if result[0]:
+            self._misses.pop(nid, None)
+        else:
+            if len(self._misses) > 10_000:  # ids that failed once and were never seen again
+                self._misses.clear()
+            self._misses[nid] = self._misses.get(nid, 0) + 1
+            if self._misses[nid] < MISSES_TO_DROP:
+                return result
+            del self._misses[nid]
         return super().handle_call_response(result, node)
 
     def welcome_if_new(self, node: Node) -> None:

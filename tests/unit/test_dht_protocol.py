@@ -339,3 +339,21 @@ def test_leave_drops_the_contact_and_keeps_it_out() -> None:
         assert proto.rpcs == {}  # direct calls are not counted; datagrams are
 
     _in_loop(body)
+
+
+def test_one_lost_reply_keeps_the_contact_two_drop_it() -> None:
+    proto = _proto()
+
+    async def body() -> None:
+        proto.rpc_ping(ADDR, PEER_ID)
+        node = Node(PEER_ID, *ADDR)
+        proto.handle_call_response((False, None), node)
+        assert not proto.router.is_new_node(node)  # one lost datagram: still a contact
+        proto.handle_call_response((True, PEER_ID), node)
+        proto.handle_call_response((False, None), node)
+        assert not proto.router.is_new_node(node)  # an answer in between reset the count
+        proto.handle_call_response((False, None), node)
+        assert proto.router.is_new_node(node)  # two in a row: dropped
+        assert proto.rpcs[("sent", "any", "timeout")] == 3
+
+    _in_loop(body)
