@@ -123,7 +123,7 @@ class MoshpitNode:
         """Leave the swarm cleanly: rounds still matching are left at once (our followers are
         released, our declarations withdrawn), rounds already averaging finish within
         `timeout`, and our DHT records are withdrawn so nobody waits for us."""
-        self.draining = True
+        self.draining = True  # from here no round starts matchmaking (see _one_round)
         await self.server.draining()
         for task in self._finding.values():
             task.cancel("daemon is draining")
@@ -131,12 +131,14 @@ class MoshpitNode:
             await asyncio.wait(self._requests, timeout=timeout)
         for task in self._requests:
             task.cancel("daemon is draining")
+        if self._requests:  # their cleanup (a grid run's last declaration) before we withdraw
+            await asyncio.wait(self._requests, timeout=1.0)
         withdrawals = [run.leave() for run in self.runs.values()]
         if self.states is not None:
             withdrawals.append(self.states.withdraw_all())
         withdrawals.append(wait_background())
         try:
-            async with asyncio.timeout(max(timeout, 1.0)):
+            async with asyncio.timeout(1.5):
                 await asyncio.gather(*withdrawals, return_exceptions=True)
         except TimeoutError:
             log.warning("drain: DHT withdrawals did not finish; the records expire by TTL")
@@ -253,11 +255,14 @@ class MoshpitNode:
                          timeout: float, expected: frozenset[bytes] | None, target: int,
                          single_attempt: bool = False,
                          watcher: LineWatcher | None = None) -> tuple[RoundRecord, Group]:
+        if self.draining:  # e.g. the next round of a multi-round grid request
+            raise ShuttingDown("moshpitd is shutting down: it starts no new round")
         start = time.monotonic()
         final = start + timeout
         attempt = min(self.config.matchmaking_seconds, timeout)
         match = MatchRequest(
-            key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation),
+            key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation,
+                                               self.config.part_bytes),
             weight=weight,
             target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, expected=expected, codec=request.codec,

@@ -237,10 +237,15 @@ class ButterflyRound:
                 return
             now = time.monotonic()
             moving = False
+            final = len(self.my_parts) - len(self._pending_own)
             for sender in self._incomplete_senders():
                 slot = self.slots.get(sender)
-                got = slot.channel.bytes_in if slot is not None else 0
-                if got > seen.get(sender, 0) and now < hard:
+                got = slot.channel.progress() if slot is not None else 0
+                # a sender a full window ahead of our answers waits for us (for a slower
+                # member), not the other way round: it is not silent
+                delivered = len(self.my_parts) - self.reducer.lacking(sender)
+                blocked = delivered - final >= self.max_in_flight
+                if now < hard and (got > seen.get(sender, 0) or blocked):
                     seen[sender], moving = got, True
                 else:
                     self.exclude(sender, "silent past the round's deadline", "timeout")
@@ -262,7 +267,7 @@ class ButterflyRound:
                 return
             now = time.monotonic()
             channels = [*self._channels, *(slot.channel for slot in self.slots.values())]
-            total = sum(ch.bytes_in + ch.bytes_out for ch in channels)
+            total = sum(ch.progress() for ch in channels)
             if total <= moved or now >= hard:
                 return
             moved, deadline = total, min(now + STALL_WINDOW, hard)

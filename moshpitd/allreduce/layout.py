@@ -91,12 +91,15 @@ def schema_of(specs: Sequence[TensorSpec]) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def schema_hash(specs: Sequence[TensorSpec], codec: str = "none",
-                aggregation: str = "mean") -> bytes:
+                aggregation: str = "mean", part_bytes: int = DEFAULT_PART_BYTES) -> bytes:
     """Peers may only average tensors of identical dtypes and shapes, in the same order, sent
-    with the same wire codec and aggregated the same way (the mean hashes as it always did)."""
+    with the same wire codec, aggregated the same way and cut into the same parts (every
+    member plans the parts itself). Defaults hash as they always did."""
     fields: list[object] = [[[d, list(shape)] for d, shape in schema_of(specs)], codec]
     if aggregation != "mean":
         fields.append(aggregation)
+    if part_bytes != DEFAULT_PART_BYTES:
+        fields.append(["part_bytes", part_bytes])
     packed = msgpack.packb(fields)
     return hashlib.sha256(packed).digest()[:16]
 

@@ -107,13 +107,14 @@ class DHTNode(Server):
         contacts = self.contacts()
         if not contacts:
             return 0
-        try:
-            async with asyncio.timeout(timeout):
-                heard = await asyncio.gather(*(self.protocol.call_leave(n) for n in contacts),
-                                             return_exceptions=True)
-        except TimeoutError:
-            return 0
-        return sum(1 for h in heard if h is True)
+        # not cancelled at the timeout: rpcudp resolves each call itself (cancelling its
+        # futures makes its own timeout callback fail)
+        tasks = [asyncio.ensure_future(self.protocol.call_leave(n)) for n in contacts]
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            _BACKGROUND.add(t)
+            t.add_done_callback(_BACKGROUND.discard)
+        return sum(1 for t in done if t.exception() is None and t.result() is True)
 
     def contacts(self) -> list[Node]:
         if self.protocol is None:

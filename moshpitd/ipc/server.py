@@ -96,10 +96,11 @@ class IPCServer:
         next request, so it raises a clear error instead of finding a dead socket."""
         goodbye = {"ok": False, "id": None, "error": "ShuttingDown",
                    "message": "moshpitd is shutting down (SIGTERM); reconnect when it is back"}
-        for session in list(self.live):
-            with contextlib.suppress(OSError):
+        async def tell(session: Session) -> None:
+            with contextlib.suppress(OSError, TimeoutError):
                 async with asyncio.timeout(1.0):
                     await session.conn.write_frame(goodbye)
+        await asyncio.gather(*(tell(s) for s in list(self.live)))
 
     async def stop(self) -> None:
         if self._accept_task is not None:

@@ -199,6 +199,9 @@ class Session:
                 raise RequestError(str(exc)) from None
             if grid.size < 2:
                 raise RequestError("a grid needs at least 2 cells per dimension")
+            if grid.size > self.node.config.max_group_size:
+                raise RequestError(f"grid groups of {grid.size} exceed this daemon's limit "
+                                   f"{self.node.config.max_group_size} (setting max_group_size)")
             min_group = min(min_group, grid.size)
         rounds = _field(msg, "rounds", int, 1)
         if not 1 <= rounds <= 1000:

@@ -112,9 +112,10 @@ class Matchmaker(Leading):
             if self._seen_mismatch and not self._seen_match:
                 raise SchemaMismatch(
                     f"{len(self._seen_mismatch)} peer(s) under key {self.req.key!r} declared "
-                    "tensors with other dtypes or shapes (or another order, wire codec or "
-                    "aggregation), and none matched ours; every peer of a group must submit "
-                    "the same list of shapes and dtypes with the same codec and aggregation"
+                    "tensors with other dtypes or shapes (or another order, wire codec, "
+                    "aggregation or daemon part_size), and none matched ours; every peer of a "
+                    "group must submit the same list of shapes and dtypes with the same codec "
+                    "and aggregation, and every daemon use the same part_size"
                 )
         raise GroupNotFound(
             f"no group of at least {self.req.min_size} peers under key {self.req.key!r} within "
@@ -201,6 +202,18 @@ class Matchmaker(Leading):
             self._declared_now.add(peer_id)
             out.append(Candidate(peer_id, decl, now + rec.ttl, rec.version))
         return out
+
+    def _plausible(self, group: Group) -> bool:
+        """A leader's GroupInfo is trusted for membership, but not blindly: no more members than
+        we asked for, no duplicates, sane weights, and our own entry as we sent it."""
+        members = group.members
+        ok = (len(members) <= self.req.target_size and len(group.group_id) == 16
+              and len({m.peer_id for m in members}) == len(members)
+              and all(math.isfinite(m.weight) and m.weight >= 0 for m in members)
+              and members[group.index_of(self.me.peer_id)].weight == self.req.weight)
+        if not ok:
+            log.warning("%s: refused a malformed group from its leader", self.req.key)
+        return ok
 
     async def _probe_stragglers(self, candidates: list[Candidate], now: float) -> None:
         """A killed daemon's declaration outlives it (until its TTL): a leader would wait for
@@ -326,7 +339,7 @@ class Matchmaker(Leading):
                 group.index_of(self.me.peer_id)
             except KeyError:
                 return None
-            if group.schema_hash != self.req.schema_hash:
+            if group.schema_hash != self.req.schema_hash or not self._plausible(group):
                 return None
             if not self.assembled.done():
                 self.assembled.set_result(group)

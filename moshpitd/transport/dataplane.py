@@ -144,6 +144,14 @@ class Channel(asyncio.BufferedProtocol):
         self.bytes_out += HEADER.size + length
         await self._can_write.wait()
 
+    def progress(self) -> int:
+        """Bytes that really moved: received, plus sent minus what still waits in our write
+        buffer (a large part on a slow link shows progress long before it is all out)."""
+        pending = 0
+        if self.transport is not None and not self.transport.is_closing():
+            pending = self.transport.get_write_buffer_size()
+        return self.bytes_in + self.bytes_out - pending
+
     def send_nowait(self, kind: int, part: int, payload: bytes = b"") -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(HEADER.pack(kind, 0, 0, part, len(payload), 0) + payload)

@@ -79,3 +79,23 @@ def test_one_part_in_flight_still_gives_the_exact_mean(tmp_path: Path) -> None:
     want = torch.arange(30_000, dtype=torch.float64) + 3.0
     for r in results:
         assert isinstance(r, torch.Tensor) and torch.equal(r, want), r
+
+
+def test_daemons_with_another_part_size_do_not_group(tmp_path: Path) -> None:
+    """Every member cuts the vector into parts itself, so part_size is part of the schema: a
+    daemon configured differently is told so instead of wrecking the round."""
+    from moshpitd.launcher import start_daemon as start
+    from tests.integration.helpers import run_parallel
+
+    a = start("a", tmp_path, extra_args=["--part-size", "65536"])
+    b = start("b", tmp_path, [a.dht], extra_args=["--part-size", "131072"])
+    try:
+        def one(sock: str) -> object:
+            with moshpit.Client(sock) as c:
+                return c.average([torch.zeros(100_000)], key="ps", group_size=2, timeout=3)
+        results = run_parallel([lambda: one(a.socket), lambda: one(b.socket)])
+        assert all(isinstance(r, moshpit.SchemaMismatch) for r in results), results
+        assert "part_size" in str(results[0])
+    finally:
+        a.stop()
+        b.stop()
