@@ -34,24 +34,23 @@ class AuthError(Exception):
 
 
 class ReplayCache:
-    """Nonces seen within the window. Bounded: when full, the oldest half is forgotten (their
-    messages are then refused by the time window soon anyway)."""
+    """Nonces of messages still inside the time window, each kept until its own timestamp
+    leaves the window (so no replay inside the window is ever forgotten). Bounded: when full
+    of live nonces, new messages are refused rather than old nonces dropped."""
 
     def __init__(self, window: float = WINDOW, max_entries: int = MAX_REPLAY_ENTRIES) -> None:
         self.window = window
         self.max_entries = max_entries
-        self._seen: dict[bytes, float] = {}
+        self._seen: dict[bytes, float] = {}  # nonce -> when it can be forgotten
 
-    def check(self, nonce: bytes, now: float) -> None:
+    def check(self, nonce: bytes, sent: float, now: float) -> None:
         if nonce in self._seen:
             raise AuthError("replayed message")
         if len(self._seen) >= self.max_entries:
-            cutoff = now - self.window
-            self._seen = {n: t for n, t in self._seen.items() if t > cutoff}
-            if len(self._seen) >= self.max_entries:  # a flood of fresh nonces: keep the newest
-                keep = sorted(self._seen.items(), key=lambda kv: kv[1])[self.max_entries // 2:]
-                self._seen = dict(keep)
-        self._seen[nonce] = now
+            self._seen = {n: t for n, t in self._seen.items() if t > now}
+            if len(self._seen) >= self.max_entries:
+                raise AuthError("too many messages within the replay window")
+        self._seen[nonce] = sent + self.window
 
 
 class SwarmKey:
@@ -100,5 +99,5 @@ class SwarmKey:
             raise AuthError(f"message timestamp is {now - ms / 1000.0:+.1f} s off (window "
                             f"{self.window:.0f} s): clocks out of sync, or a replay")
         if replay is not None:
-            replay.check(head[8:], now)
+            replay.check(head[8:], ms / 1000.0, now)
         return payload

@@ -79,8 +79,24 @@ class Metrics:
         self.dht_peers.set_function(peers)
         self.registry.register(_DHTCollector(rpcs))
 
+    def watch_auth(self, rejected: Callable[[], Mapping[str, int]]) -> None:
+        self.registry.register(_AuthCollector(rejected))
+
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+
+class _AuthCollector(Collector):
+    def __init__(self, rejected: Callable[[], Mapping[str, int]]) -> None:
+        self.rejected = rejected
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("moshpitd_auth_rejected", "Messages refused for a missing "
+                                     "or bad swarm-key tag, a stale timestamp or a replay, by "
+                                     "plane", labels=["plane"])
+        for plane, count in sorted(self.rejected().items()):
+            family.add_metric([plane], count)
+        yield family
 
 
 class _DHTCollector(Collector):

@@ -60,6 +60,10 @@ class MoshpitNode:
         self.server = AveragerServer(self._handle_join, self._handle_state, config.max_message,
                                      security)
         self.registry = RoundRegistry(config.part_bytes * 2 + 4096, config.swarm_key)
+        self.metrics.watch_auth(lambda: {
+            "dht": self.dht.protocol.rpcs["received", "any", "unauthenticated"]
+            if getattr(self.dht, "protocol", None) else 0,
+            "grpc": security.rejected, "data": self.registry.rejected})
         self.deadlines = DeadlinePolicy()
         self._settle = SettlePolicy()
         self.fault = FaultPlan.from_env()

@@ -61,7 +61,7 @@ class RoundResult:
 
 
 class ButterflyRound:
-    seal_hello: Callable[[bytes, int], bytes] | None = None
+    seal_hello: Callable[[bytes, int, int], bytes] | None = None
 
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
                  connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
@@ -143,8 +143,8 @@ class ButterflyRound:
             self._channels.append(channel)
             hello = self.group.group_id
             if self.seal_hello is not None:  # swarm key: reducers only take sealed streams
-                hello = self.seal_hello(hello, self.me)
-            await channel.send(HELLO, 0, hello, aux=self.me)
+                hello = self.seal_hello(hello, self.me, link.owner)
+            await channel.send(HELLO, link.owner, hello, aux=self.me)
             for i, p in enumerate(self.by_owner[link.owner]):
                 while link.in_flight(i) >= self.max_in_flight and not link.done.is_set():
                     link.progress.clear()  # the owner is behind: wait for its next answer

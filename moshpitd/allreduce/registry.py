@@ -26,6 +26,8 @@ from moshpitd.transport.dataplane import (
 log = logging.getLogger(__name__)
 
 STREAM_WAIT = 10.0
+HELLO_TIMEOUT = 10.0
+MAX_UNOPENED = 1024
 MAX_PENDING = 1024
 
 
@@ -54,34 +56,58 @@ class _Hello:
     def __init__(self, registry: RoundRegistry) -> None:
         self.registry = registry
         self.channel: Channel | None = None
+        self.greeted = False
+        registry.unopened += 1
+        self._timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._too_slow)
+
+    def _too_slow(self) -> None:
+        if self.channel is not None:  # a connection that never says who it is: drop it
+            self.channel.abort(f"no HELLO within {HELLO_TIMEOUT:.0f} s")
+
+    def _opened(self) -> None:
+        if not self.greeted:
+            self.greeted = True
+            self.registry.unopened -= 1
+            self._timer.cancel()
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != HELLO or length != self.registry.hello_length:
+            if self.registry.auth is not None:
+                self.registry.rejected += 1
             raise DataPlaneError("a stream must open with HELLO"
                                  + (" sealed with the swarm key" if self.registry.auth else ""))
         return None
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         assert self.channel is not None and self.channel.transport is not None
+        self._opened()
         group_id = bytes(payload)
         auth = self.registry.auth
         if auth is not None:
-            try:
-                group_id = auth.open(b"data", _hello_context(aux), group_id,
+            try:  # bound to sender and receiver: a copied HELLO opens no other stream
+                group_id = auth.open(b"data", _hello_context(aux, part), group_id,
                                      self.registry.replay)
             except AuthError as exc:
+                self.registry.rejected += 1
                 raise DataPlaneError(f"unauthenticated data-plane stream: {exc}") from None
         self.channel.transport.pause_reading()
-        task = asyncio.ensure_future(self.registry.route(self.channel, group_id, aux))
+        task = asyncio.ensure_future(self.registry.route(self.channel, group_id, aux, part))
         self.registry.tasks.add(task)
         task.add_done_callback(self.registry.tasks.discard)
 
     def on_close(self, exc: BaseException | None) -> None:
-        pass
+        self._opened()
 
 
-def _hello_context(sender: int) -> bytes:
-    return b"hello" + (sender & 0xFFFFFFFF).to_bytes(4, "big")
+class _Refused(Channel):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        transport.close()
+
+
+def _hello_context(sender: int, receiver: int) -> bytes:
+    return (b"hello" + (sender & 0xFFFFFFFF).to_bytes(4, "big")
+            + (receiver & 0xFFFFFFFF).to_bytes(4, "big"))
 
 
 class RoundRegistry:
@@ -90,12 +116,16 @@ class RoundRegistry:
         self.auth = auth
         self.replay = ReplayCache()
         self.hello_length = 16 + (OVERHEAD if auth is not None else 0)
+        self.unopened = 0  # accepted connections that have not sent their HELLO yet
+        self.rejected = 0  # HELLOs without a valid swarm-key tag
         self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int) -> int:
         def accept() -> Channel:
+            if self.unopened >= MAX_UNOPENED:  # a flood of idle connections: refuse new ones
+                return _Refused(None, 0)
             hello = _Hello(self)
             channel = Channel(hello, self.max_payload)
             hello.channel = channel
@@ -110,12 +140,12 @@ class RoundRegistry:
         for task in list(self.tasks):
             task.cancel()
 
-    def hello(self, group_id: bytes, sender: int) -> bytes:
+    def hello(self, group_id: bytes, sender: int, receiver: int) -> bytes:
         """The HELLO payload that opens our stream to a reducer (sealed with the swarm key:
         the data plane only takes streams from daemons of the swarm)."""
         if self.auth is None:
             return group_id
-        return self.auth.seal(b"data", _hello_context(sender), group_id)
+        return self.auth.seal(b"data", _hello_context(sender, receiver), group_id)
 
     async def connect(self, endpoint: str, sink: FrameSink) -> Channel:
         host, port = split_endpoint(endpoint)
@@ -138,12 +168,15 @@ class RoundRegistry:
     def unregister(self, group_id: bytes) -> None:
         self._rounds.pop(group_id, None)
 
-    async def route(self, channel: Channel, group_id: bytes, sender: int) -> None:
+    async def route(self, channel: Channel, group_id: bytes, sender: int,
+                    receiver: int) -> None:
         started = time.monotonic()
         try:
             fut = self._future(group_id)
             async with asyncio.timeout(STREAM_WAIT):
                 rnd = await asyncio.shield(fut)
+            if receiver != rnd.me:
+                raise DataPlaneError(f"stream meant for member {receiver}, this is {rnd.me}")
             channel.sink = rnd.accept(sender, channel)
         except (TimeoutError, DataPlaneError) as exc:
             pending = self._rounds.get(group_id)

@@ -115,8 +115,14 @@ def test_swarm_key_admits_members_only(tmp_path: Path) -> None:
         # still fine for members afterwards
         results = average_pair(swarm.sockets, "members-again")
         assert all(isinstance(r, torch.Tensor) for r in results), results
-    log = a.log_path.read_text()
-    assert "refused an unauthenticated /moshpit.Averager/Join request" in log
+        # every refusal is counted, by plane
+        import urllib.request
+        with urllib.request.urlopen(f"http://{a.info['metrics']}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        counts = {plane: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  for plane in ("dht", "grpc", "data")
+                  if line.startswith(f'moshpitd_auth_rejected_total{{plane="{plane}"}}')}
+        assert counts["grpc"] >= 1 and counts["data"] >= 1 and counts["dht"] >= 2, counts
 
 
 def test_swarm_key_file_problems_stop_the_daemon_at_start(tmp_path: Path) -> None:
