@@ -170,8 +170,8 @@ OPTIONS: tuple[Option, ...] = (
            "largest group a request may ask for or this daemon will lead", "N"),
     Option("dht_max_records_per_key", _int(1, 1 << 16), 256,
            "records (one per peer) this daemon stores under one DHT key", "N"),
-    Option("dht_max_value_bytes", _int(64, 8192), 1024, "bytes of one DHT record's value",
-           "BYTES"),
+    Option("dht_max_value_bytes", _int(64, 4096), 1024, "bytes of one DHT record's value (a "
+           "record travels in one datagram)", "BYTES"),
     Option("max_ipc_sessions", _int(1, 1 << 16), 64, "trainer connections at once", "N"),
     Option("max_message_bytes", _int(1 << 16, 1 << 30), 64 << 20,
            "largest gRPC message sent or received", "BYTES"),

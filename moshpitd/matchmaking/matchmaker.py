@@ -221,11 +221,12 @@ class Matchmaker(Leading):
         assert self.probe is not None
         ask = []
         for c in candidates:
-            if c.peer_id in self.followers or c.peer_id in self._dead:
+            if (c.peer_id in self.followers or c.peer_id in self._dead
+                    or c.declaration.client_mode):  # client-mode peers take no calls
                 continue
             since = self._outside_since.setdefault(c.peer_id, now)
             if now - since >= STRAGGLER_PROBE:
-                self._outside_since[c.peer_id] = math.inf  # once per attempt
+                self._outside_since[c.peer_id] = math.inf  # once per request
                 ask.append(c)
         if ask:
             alive = await asyncio.gather(*(self.probe(c.declaration.endpoint) for c in ask))
