@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv system-deps test test-unit test-integration demo bench soak lint proto clean
+.PHONY: all venv system-deps test test-unit test-integration fuzz demo bench soak lint proto clean
 
 all: test
 
@@ -48,6 +48,11 @@ test-unit: $(STAMP) system-deps
 
 test-integration: $(STAMP) system-deps
 	$(PY) -m pytest -q tests/integration
+
+# the fuzz tests with ten times the cases `make test` runs (MOSHPIT_FUZZ_EXAMPLES=N to change)
+fuzz: $(STAMP)
+	MOSHPIT_FUZZ_EXAMPLES=$${MOSHPIT_FUZZ_EXAMPLES:-20000} $(PY) -m pytest -q --timeout 3600 \
+		tests/integration/test_fuzz.py
 
 demo: $(STAMP)
 	$(PY) -m demo.run
