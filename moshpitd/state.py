@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import msgpack
 from grpc import aio
 
@@ -41,6 +42,7 @@ class Snapshot:
     version: int
     header: bytes  # msgpack {"tensors": [...], "meta": {...}}
     data: bytes
+    published: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,11 @@ class StateStore:
         header = bytes(msgpack.packb({"tensors": tensors, "meta": meta}))
         if len(header) > MAX_HEADER:
             raise ValueError(f"state header of {len(header)} bytes exceeds {MAX_HEADER}")
+        # a snapshot nobody republished within the donor record's lifetime is advertised by no
+        # one any more: drop it rather than hold its bytes forever
+        stale = time.monotonic() - DONOR_TTL
+        for old in [k for k, snap in self.snapshots.items() if snap.published < stale]:
+            del self.snapshots[old]
         self.snapshots[key] = Snapshot(version, header, data)
         value = bytes(msgpack.packb([self.endpoint, version, len(data)]))
         await self.dht.store_sub(f"{key}/donors", self.peer_id, value, DONOR_TTL)
@@ -83,8 +90,8 @@ class StateStore:
                     context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
         snap = self.snapshots.get(request.key)
         if snap is None or (request.version and request.version != snap.version):
-            await context.abort(aio.StatusCode.NOT_FOUND if snap is None
-                                else aio.StatusCode.FAILED_PRECONDITION,
+            await context.abort(grpc.StatusCode.NOT_FOUND if snap is None
+                                else grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no state of version {request.version} for {request.key!r}")
             return
         total = len(snap.data)
@@ -118,14 +125,15 @@ class StateStore:
         deadline = time.monotonic() + timeout
         while True:
             donors = await self.donors(key)
-            if donors:
-                latest = max(d.version for d in donors)
-                holders = [d for d in donors if d.version == latest]
+            # newest version first; if none of its donors answers (it died, or its record is
+            # forged), an older version that a live donor holds is better than nothing
+            for version in sorted({d.version for d in donors}, reverse=True):
+                holders = [d for d in donors if d.version == version]
                 for d in holders:
                     try:
                         chunk = await _first(pool, d, pb.StateRequest(key=key, length=0,
-                                                                      version=latest),
-                                             max(deadline - time.monotonic(), 0.1))
+                                                                      version=version),
+                                             min(max(deadline - time.monotonic(), 0.1), 5.0))
                         info = msgpack.unpackb(chunk.header)
                         return d, info, holders
                     except (aio.AioRpcError, TimeoutError, ValueError) as exc:

@@ -188,9 +188,11 @@ class DHTNode(Server):
         )
         return stored + sum(1 for r in results if r)
 
-    async def withdraw_sub(self, key: str, subkey: bytes, ttl: float = 30.0) -> int:
-        """Replace our record by a tombstone that outranks it on every replica."""
-        return await self.store_sub(key, subkey, b"", ttl)
+    async def withdraw_sub(self, key: str, subkey: bytes, ttl: float = 30.0,
+                           version: int | None = None) -> int:
+        """Replace our record by a tombstone that outranks it on every replica. Take `version`
+        when the withdrawal is decided if it may run after a newer declaration is made."""
+        return await self.store_sub(key, subkey, b"", ttl, version)
 
     async def get_subs(self, key: str) -> dict[bytes, SubRecord]:
         """Ask every one of the k closest nodes and merge (highest version wins per subkey)."""

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 MAX_DATAGRAM = 65507
 DEPARTED_SECONDS = 60.0
 MISSES_TO_DROP = 2
+MAX_VERSION_AHEAD_NS = 600 * 10**9  # record versions are writers' clocks in ns
+WELCOME_RATE = 5.0  # new contacts per second that get the records they should hold
+WELCOME_BURST = 50
 ID_BYTES = 20
 
 
@@ -48,6 +51,8 @@ class SubkeyProtocol(KademliaProtocol):
         self.rpcs: Counter[tuple[str, str, str]] = Counter()
         self.departed: dict[bytes, float] = {}  # said goodbye -> until when we ignore it
         self._misses: dict[bytes, int] = {}  # contact -> unanswered RPCs in a row
+        self._welcome_tokens = float(WELCOME_BURST)
+        self._welcome_at = time.monotonic()
 
     # --- datagram handling: never let a peer's bytes raise inside an unowned task ----------
     def connection_made(self, transport: Any) -> None:
@@ -117,6 +122,10 @@ class SubkeyProtocol(KademliaProtocol):
                 and isinstance(ttl, int | float) and not isinstance(ttl, bool)):
             raise ValueError("malformed store_sub")
         self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
+        # Our own records are ours to write; and versions come from writers' clocks, so one
+        # far in the future is a forgery meant to pin a record until its TTL runs out.
+        if subkey == self.source_node.id or version > time.time_ns() + MAX_VERSION_AHEAD_NS:
+            return False
         return self.storage.store_sub(key, subkey, value, version, float(ttl))
 
     def rpc_find_subs(self, sender: tuple[str, int], nodeid: bytes, key: bytes) -> dict[str, Any]:
@@ -208,6 +217,16 @@ class SubkeyProtocol(KademliaProtocol):
             return
         if not self.router.is_new_node(node):
             return
+        # Handing records over costs a scan of every key: new contacts past a few per second
+        # (a flood of made-up node ids) are added without it; owners refresh their records.
+        now = time.monotonic()
+        self._welcome_tokens = min(WELCOME_BURST, self._welcome_tokens
+                                   + (now - self._welcome_at) * WELCOME_RATE)
+        self._welcome_at = now
+        if self._welcome_tokens < 1:
+            self.router.add_contact(node)
+            return
+        self._welcome_tokens -= 1
         for key in self.storage.sub_keys():
             keynode = Node(key)
             neighbors = self.router.find_neighbors(keynode)

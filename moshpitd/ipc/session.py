@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 MAX_BUFFER = 16 << 30
 MAX_INFLIGHT = 8
 MAX_BUFFERS = 64
+KNOWN_OPS = frozenset({"hello", "attach", "average", "status", "rounds", "peers", "publish_state",
+                       "state_info", "download_state"})
 
 
 class RequestError(Exception):
@@ -122,8 +124,9 @@ class Session:
             self.node.metrics.ipc_requests.labels(op, "ok").inc()
             await self.conn.write_frame({"ok": True, "id": rid, **reply})
         except (RequestError, BufferError_, LayoutError, ValueError, ShuttingDown) as exc:
-            self.node.metrics.ipc_requests.labels(str(op)[:16] if isinstance(op, str) else
-                                                  "invalid", "error").inc()
+            # only known operations become label values: a peer's strings must not mint series
+            known = isinstance(op, str) and op in KNOWN_OPS
+            self.node.metrics.ipc_requests.labels(op if known else "invalid", "error").inc()
             await self.conn.write_frame({"ok": False, "id": rid, "error": type(exc).__name__
                                          .rstrip("_"), "message": str(exc)})
 

@@ -125,13 +125,15 @@ class Matchmaker(Leading):
 
     def _start_withdraw(self) -> None:
         """In the background: a dead DHT node must not delay the round that follows."""
-        task = asyncio.ensure_future(self._withdraw())
+        # the tombstone's version is taken now: it must rank below the next attempt's
+        # declaration, which may reach the DHT before this task does
+        task = asyncio.ensure_future(self._withdraw(self.dht.next_version()))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
 
-    async def _withdraw(self) -> None:
+    async def _withdraw(self, version: int) -> None:
         try:
-            await self.dht.withdraw_sub(self.req.key, self.me.peer_id)
+            await self.dht.withdraw_sub(self.req.key, self.me.peer_id, version=version)
         except Exception as exc:  # the round goes on; the record expires by itself
             log.debug("withdraw failed: %r", exc)
 

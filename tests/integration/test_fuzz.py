@@ -12,7 +12,7 @@ side hangs up. Every CHECK_EVERY cases and after each test:
   * well-formed traffic still works: `status` over IPC, the gRPC health service, an averaging
     round between daemons 0 and 1 (matchmaking goes through the DHT) giving the exact mean, and
     daemon 1 downloading the state daemon 0 published (DownloadState from another peer).
-Known daemon bugs are pinned by the xfail(strict=True) tests here. MOSHPIT_FUZZ_LOG_LEVEL=DEBUG
+Daemon bugs the fuzzing found have regression tests at the end. MOSHPIT_FUZZ_LOG_LEVEL=DEBUG
 makes the daemons' logs (under pytest's tmp_path) tell more when a check fails.
 """
 
@@ -75,11 +75,8 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # log lines that mean a daemon bug: a handler exception, an unowned task that died
 BAD_LOG_MARKERS = ("Traceback (most recent call last)", "exception was never retrieved",
                    "Exception in callback", "InternalError")
-# Known daemon bugs, each pinned by an xfail(strict=True) test below; until fixed, the fuzz
-# tests let them pass so that they keep guarding everything else.
-KNOWN_BUGS = {
-    "module 'grpc.aio' has no attribute 'StatusCode'": "test_download_state_refusals",
-}
+# Log signatures of known, not yet fixed daemon bugs the checks tolerate (none at present).
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def grpc_decode_error(text: str) -> bool:
@@ -541,9 +538,6 @@ def test_fuzz_ipc(target: Target) -> None:
     target.check("after IPC fuzzing")
 
 
-@pytest.mark.xfail(strict=True, reason="moshpitd/ipc/session.py Session.dispatch labels the "
-                   "error counter with the request's own op string (str(op)[:16]): every "
-                   "distinct unknown op adds a metric series, without bound")
 def test_unknown_ops_add_no_metric_series(target: Target) -> None:
     """Requests with made-up ops cost an error reply, not memory: /metrics keeps one series
     per real op (an unknown one counts as "invalid" or "unknown")."""
@@ -761,8 +755,6 @@ def test_fuzz_grpc(target: Target) -> None:
     target.check("after gRPC fuzzing")
 
 
-@pytest.mark.xfail(strict=True, reason="moshpitd/state.py StateStore.serve aborts with "
-                   "aio.StatusCode, which grpc.aio does not have: AttributeError, UNKNOWN")
 def test_download_state_refusals(target: Target) -> None:
     """A DownloadState the daemon cannot serve ends with NOT_FOUND (no such key) or
     FAILED_PRECONDITION (another version), and costs no traceback in its log."""
@@ -972,10 +964,6 @@ def test_fuzz_dht(target: Target) -> None:
         fuzzer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="moshpitd/matchmaking/matchmaker.py Matchmaker.find_group: "
-                   "the background withdrawal of a failed attempt takes its version "
-                   "(dht.next_version() in withdraw_sub) after the next attempt's declaration "
-                   "took its own, so the tombstone outranks the live declaration on every replica")
 def test_declaration_visible_in_later_attempts(target: Target) -> None:
     """A peer still matchmaking after its first attempt (matchmaking_seconds, 5 s) is still
     declared in the DHT, not withdrawn. (The DHT fuzzing found it: a first attempt slowed down
@@ -1004,9 +992,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@pytest.mark.xfail(strict=True, reason="moshpitd/dht/protocol.py SubkeyProtocol.welcome_if_new "
-                   "walks every stored key (router.find_neighbors each) for every new contact: "
-                   "datagrams from fresh node ids cost CPU that grows with the records held")
 def test_new_contacts_cost_little_cpu(swarm_factory: Callable[..., LocalSwarm]) -> None:
     """600 store_sub datagrams, each from a new node id under a new key (as the DHT fuzzing
     sends), take the daemon well under a second of CPU (each costs more than the last now:
