@@ -32,6 +32,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _NoDecodeNoise(logging.Filter):
+    """grpc logs a traceback at ERROR for every request body it cannot deserialize; anyone can
+    send those (moshpitd_auth_rejected_total counts the unauthenticated ones)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "deserializ" in record.getMessage():
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and type(exc).__name__ in ("AuthError", "DecodeError"))
+
+
 def setup_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
@@ -42,5 +53,7 @@ def setup_logging(level: str, fmt: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     logging.getLogger("kademlia").setLevel(max(logging.WARNING, root.level))
+    for name in ("grpc._cython.cygrpc", "grpc._server", "grpc.aio._server"):
+        logging.getLogger(name).addFilter(_NoDecodeNoise())
     # rpcudp logs every unanswered datagram at ERROR; moshpitd_dht_rpcs_total counts them
     logging.getLogger("rpcudp").setLevel(logging.CRITICAL)
