@@ -52,7 +52,7 @@ test-integration: $(STAMP) system-deps
 # the fuzz tests with ten times the cases `make test` runs (MOSHPIT_FUZZ_EXAMPLES=N to change)
 fuzz: $(STAMP)
 	MOSHPIT_FUZZ_EXAMPLES=$${MOSHPIT_FUZZ_EXAMPLES:-20000} $(PY) -m pytest -q --timeout 3600 \
-		tests/integration/test_fuzz.py
+		tests/integration/test_fuzz_*.py
 
 demo: $(STAMP)
 	$(PY) -m demo.run

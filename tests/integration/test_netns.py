@@ -4,9 +4,9 @@ receives (nftables `numgen random mod 100 < 1 drop`) and ~50 ms of added round-t
 
 Latency mechanism: this kernel has no `netem` (nor `fq`, `nft queue`), so an nftables
 `tproxy` rule in every host hands all TCP connections and UDP datagrams arriving on its link to
-a small userspace delayer in that namespace (tests/netns.py). TCP (gRPC matchmaking, the tensor
-data plane): the delayer terminates the connection and forwards each direction's bytes 25 ms
-after reading them. UDP (the Kademlia DHT): it re-sends each datagram 25 ms later from a
+a small userspace delayer in that namespace (tests/netns/delayer.py). TCP (gRPC matchmaking, the
+tensor data plane): the delayer terminates the connection and forwards each direction's bytes
+25 ms after reading them. UDP (the Kademlia DHT): it re-sends each datagram 25 ms later from a
 transparent socket bound to the original source address, so daemons still see their peers'
 real addresses. Every request/response, TCP or UDP, thus takes about 50 ms more (measured
 below). TCP's own acknowledgements are not delayed (the kernel acks before the delayer reads),
