@@ -153,7 +153,8 @@ def test_centered_clip_stays_within_its_bound(
     out = aggregate("centered_clip", x.copy(), w)
     err = float(np.linalg.norm(out - mean))
     assert err <= bound * (1 + 1e-9) + 1e-9, (err, bound)
-    assert bound < 0.5 * np.sqrt(x.shape[1]) < scale  # the bound is a real one here
+    # the bound is a real one here: far below how far the attack moves the plain mean
+    assert bound < 0.5 * float(np.linalg.norm(x.mean(axis=0) - mean))
 
 
 @settings(max_examples=100, deadline=None)
