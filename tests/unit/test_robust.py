@@ -139,7 +139,7 @@ def test_trimmed_mean_stays_within_the_honest_range(
 @given(c=corrupted())
 def test_centered_clip_stays_within_its_bound(
         c: tuple[np.ndarray, np.ndarray, int, float]) -> None:
-    x, w, f, scale = c
+    x, w, f, _scale = c
     n = x.shape[0]
     honest = x[:-f]
     mean = honest.mean(axis=0)
