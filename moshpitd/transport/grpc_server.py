@@ -54,18 +54,9 @@ class AveragerServer:
         sec = self.security
         handlers = {
             "Join": grpc.unary_stream_rpc_method_handler(
-                self._join,
-                request_deserializer=sec.request_deserializer(JOIN, pb.JoinRequest.FromString),
-                response_serializer=sec.response_serializer(JOIN,
-                                                            pb.JoinResponse.SerializeToString),
-            ),
+                self._join, **sec.server_side(JOIN, pb.JoinRequest, pb.JoinResponse)),
             "DownloadState": grpc.unary_stream_rpc_method_handler(
-                self._state,
-                request_deserializer=sec.request_deserializer(DOWNLOAD_STATE,
-                                                              pb.StateRequest.FromString),
-                response_serializer=sec.response_serializer(DOWNLOAD_STATE,
-                                                            pb.StateChunk.SerializeToString),
-            ),
+                self._state, **sec.server_side(DOWNLOAD_STATE, pb.StateRequest, pb.StateChunk)),
         }
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
@@ -118,23 +109,14 @@ class ChannelPool:
         return ch
 
     def join(self, endpoint: str, request: pb.JoinRequest, timeout: float) -> Any:
-        sec = self.security
         method = self.channel(endpoint).unary_stream(
-            JOIN,
-            request_serializer=sec.request_serializer(JOIN, pb.JoinRequest.SerializeToString),
-            response_deserializer=sec.response_deserializer(JOIN, pb.JoinResponse.FromString),
-        )
+            JOIN, **self.security.client_side(JOIN, pb.JoinRequest, pb.JoinResponse))
         return method(request, timeout=timeout)
 
     def download(self, endpoint: str, request: pb.StateRequest, timeout: float) -> Any:
-        sec = self.security
         method = self.channel(endpoint).unary_stream(
             DOWNLOAD_STATE,
-            request_serializer=sec.request_serializer(DOWNLOAD_STATE,
-                                                      pb.StateRequest.SerializeToString),
-            response_deserializer=sec.response_deserializer(DOWNLOAD_STATE,
-                                                            pb.StateChunk.FromString),
-        )
+            **self.security.client_side(DOWNLOAD_STATE, pb.StateRequest, pb.StateChunk))
         return method(request, timeout=timeout)
 
     async def close(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from moshpitd.auth import AuthError, ReplayCache, SwarmKey
 
@@ -73,48 +74,45 @@ class Security:
         return []
 
     # --- messages ------------------------------------------------------------------------
-    def request_serializer(self, method: str, to_bytes: Callable[[Any], bytes]
-                           ) -> Callable[[Any], bytes]:
+    def server_side(self, method: str, request: type[Message], response: type[Message]
+                    ) -> dict[str, Callable[..., Any]]:
+        """(De)serializers for a handler of `method`: requests are opened (with the nonce
+        cache: a replayed request is refused), responses sealed."""
+        return {"request_deserializer": self._opener(method.encode(), request.FromString,
+                                                      self.replay),
+                "response_serializer": self._sealer(method.encode() + b"/response",
+                                                    response.SerializeToString)}
+
+    def client_side(self, method: str, request: type[Message], response: type[Message]
+                    ) -> dict[str, Callable[..., Any]]:
+        """(De)serializers for calls of `method`. Responses travel on the stream our own
+        sealed request opened: the tag and time window suffice, no nonce cache."""
+        return {"request_serializer": self._sealer(method.encode(), request.SerializeToString),
+                "response_deserializer": self._opener(method.encode() + b"/response",
+                                                      response.FromString, None)}
+
+    def _sealer(self, context: bytes, to_bytes: Callable[[Any], bytes]
+                ) -> Callable[[Any], bytes]:
         auth = self.auth
         if auth is None:
             return to_bytes
-        context = method.encode()
         return lambda msg: auth.seal(b"grpc", context, to_bytes(msg))
 
-    def request_deserializer(self, method: str, from_bytes: Callable[[bytes], M]
-                             ) -> Callable[[bytes], M]:
+    def _opener(self, context: bytes, from_bytes: Callable[[bytes], M],
+                replay: ReplayCache | None) -> Callable[[bytes], M]:
         auth = self.auth
         if auth is None:
             return from_bytes
-        context = method.encode()
 
-        def open_request(data: bytes) -> M:
+        def open_message(data: bytes) -> M:
             try:
-                return from_bytes(auth.open(b"grpc", context, data, self.replay))
+                return from_bytes(auth.open(b"grpc", context, data, replay))
             except AuthError as exc:
                 self.rejected += 1
                 # debug only: anyone can send these; moshpitd_auth_rejected_total counts them
-                log.debug("refused an unauthenticated %s request: %s", method, exc)
+                log.debug("refused an unauthenticated %s message: %s", context.decode(), exc)
                 raise
-        return open_request
-
-    def response_serializer(self, method: str, to_bytes: Callable[[Any], bytes]
-                            ) -> Callable[[Any], bytes]:
-        auth = self.auth
-        if auth is None:
-            return to_bytes
-        context = method.encode() + b"/response"
-        return lambda msg: auth.seal(b"grpc", context, to_bytes(msg))
-
-    def response_deserializer(self, method: str, from_bytes: Callable[[bytes], M]
-                              ) -> Callable[[bytes], M]:
-        auth = self.auth
-        if auth is None:
-            return from_bytes
-        context = method.encode() + b"/response"
-        # responses travel on the stream our own sealed request opened: the tag and time
-        # window suffice, no nonce cache
-        return lambda data: from_bytes(auth.open(b"grpc", context, data))
+        return open_message
 
 
 def load_secrets(swarm_key_file: str, tls_cert: str, tls_key: str, tls_ca: str,
