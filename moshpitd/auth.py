@@ -78,20 +78,25 @@ class SwarmKey:
                              "chmod 600 (or 640) it")
         return cls(secret)
 
+    def _tag(self, purpose: bytes, context: bytes, *parts: bytes | memoryview) -> bytes:
+        mac = hmac.new(self._keys[purpose], context, hashlib.sha256)
+        for part in parts:  # fed in pieces: no concatenated copy of a large payload
+            mac.update(part)
+        return mac.digest()
+
     def seal(self, purpose: bytes, context: bytes, payload: bytes) -> bytes:
         head = struct.pack(">Q", int(time.time() * 1000)) + os.urandom(NONCE)
-        tag = hmac.new(self._keys[purpose], context + head + payload, hashlib.sha256).digest()
-        return head + payload + tag
+        return b"".join((head, payload, self._tag(purpose, context, head, payload)))
 
     def open(self, purpose: bytes, context: bytes, data: bytes | memoryview,
              replay: ReplayCache | None = None) -> bytes:
         """The payload, or AuthError. Check order: length, tag, time, nonce."""
-        data = bytes(data)
-        if len(data) < OVERHEAD:
+        view = memoryview(data)
+        if len(view) < OVERHEAD:
             raise AuthError("message too short to carry a swarm-key tag")
-        head, payload, tag = data[:8 + NONCE], data[8 + NONCE:-TAG], data[-TAG:]
-        want = hmac.new(self._keys[purpose], context + head + payload, hashlib.sha256).digest()
-        if not hmac.compare_digest(tag, want):
+        head = bytes(view[:8 + NONCE])
+        want = self._tag(purpose, context, view[:-TAG])
+        if not hmac.compare_digest(bytes(view[-TAG:]), want):
             raise AuthError("bad swarm-key tag (another key, or a tampered message)")
         (ms,) = struct.unpack(">Q", head[:8])
         now = time.time()
@@ -100,4 +105,4 @@ class SwarmKey:
                             f"{self.window:.0f} s): clocks out of sync, or a replay")
         if replay is not None:
             replay.check(head[8:], ms / 1000.0, now)
-        return payload
+        return bytes(view[8 + NONCE:-TAG])
