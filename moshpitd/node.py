@@ -70,7 +70,7 @@ class MoshpitNode:
         self.data_endpoint = ""
         self.matchmakers: dict[str, Matchmaker] = {}
         self.runs: dict[str, RunDirectory] = {}
-        self._active: set[str] = set()
+        self._active: dict[str, asyncio.Task[Any]] = {}  # key -> the request averaging it
         self._last_spans: tuple[tuple[int, int, int], ...] = ()
         self._last_members: tuple[str, ...] = ()
         self._last_owned = 0
@@ -84,7 +84,6 @@ class MoshpitNode:
                                if getattr(self.dht, "protocol", None) else {})
         self.draining = False
         self._finding: dict[str, asyncio.Task[Group]] = {}  # key -> matchmaking in progress
-        self._requests: set[asyncio.Task[Any]] = set()
 
     @property
     def peer_id(self) -> bytes:
@@ -131,12 +130,13 @@ class MoshpitNode:
         await self.server.draining()
         for task in self._finding.values():
             task.cancel("daemon is draining")
-        if self._requests:
-            await asyncio.wait(self._requests, timeout=timeout)
-        for task in self._requests:
+        requests = set(self._active.values())
+        if requests:
+            await asyncio.wait(requests, timeout=timeout)
+        for task in requests:
             task.cancel("daemon is draining")
-        if self._requests:  # their cleanup (a grid run's last declaration) before we withdraw
-            await asyncio.wait(self._requests, timeout=1.0)
+        if requests:  # their cleanup (a grid run's last declaration) before we withdraw
+            await asyncio.wait(requests, timeout=1.0)
         withdrawals = [run.leave() for run in self.runs.values()]
         if self.states is not None:
             withdrawals.append(self.states.withdraw_all())
@@ -200,10 +200,9 @@ class MoshpitNode:
             raise ShuttingDown("moshpitd is shutting down: it takes no new rounds")
         if request.key in self._active:
             raise DuplicateRequest(f"this daemon is already averaging under key {request.key!r}")
-        self._active.add(request.key)
         task = asyncio.current_task()
         assert task is not None
-        self._requests.add(task)
+        self._active[request.key] = task
         try:
             if request.grid is None:
                 rec, _ = await self._one_round(request.key, request, view, request.weight,
@@ -212,8 +211,7 @@ class MoshpitNode:
                                      self._last_owned)
             return await self._grid_rounds(request, view)
         finally:
-            self._active.discard(request.key)
-            self._requests.discard(task)
+            del self._active[request.key]
 
     async def _grid_rounds(self, request: AverageRequest, view: FlatView) -> AverageResult:
         grid = request.grid
