@@ -48,7 +48,6 @@ async def wait_background() -> None:
 
 MIN_POLL = 0.02
 MAX_POLL = 0.5
-LONELY_GRACE = 0.2
 STRAGGLER_PROBE = 0.3  # a declared peer this long outside our group gets asked if it lives
 RETRY_ASK = 0.25  # how soon to ask a leader again that turned us away
 
@@ -269,8 +268,10 @@ class Matchmaker(Leading):
                  and not status.expected and status.settled)
         self._lonely_polls = self._lonely_polls + 1 if alone else 0
         started = self._deadline - self.req.attempt_seconds
-        if alone and (status.moved_on or (self._lonely_polls >= 2
-                                          and now - started >= LONELY_GRACE)):
+        # the run moving on ends the wait early, but not before one grace period: a
+        # line-mate that has not declared yet (it is starting) would be left behind a round
+        grace = status.grace / 2 if status.moved_on else status.grace
+        if alone and self._lonely_polls >= 2 and now - started >= grace:
             raise NoPartners(f"no other peer on this grid line under {self.req.key!r}")
 
     # --- following --------------------------------------------------------------------------

@@ -31,6 +31,9 @@ class LineStatus:
     expected: frozenset[bytes]  # line-mates that will come to this round
     moved_on: bool  # some peer of the run already declared a later round
     settled: bool = True  # no peer joined or left the run lately: `expected` is complete
+    # how long we must have been alone before giving up on the round: longer in a run's first
+    # round here, when line-mates started at the same moment may not have declared yet
+    grace: float = 0.2
 
 
 LineWatcher = Callable[[], Awaitable[LineStatus]]

@@ -29,6 +29,8 @@ SETTLE_INTERVAL = 0.03
 MAX_MOVES = 8
 DEAD_FOR = 30.0
 SETTLE_SECONDS = 0.3  # a run whose membership changed this recently may have more to come
+LONELY_GRACE = 0.2  # alone this long on our line: nobody is coming to this round
+FIRST_GRACE = 1.0  # the same in this daemon's first round of the run (peers still starting)
 
 Probe = Callable[[str], Awaitable[bool]]
 
@@ -87,6 +89,7 @@ class RunDirectory:
         self.rng = rng or random.Random()
         self.coords: Coords | None = None
         self.round = 0
+        self.rounds_done = 0
 
     @property
     def key(self) -> str:
@@ -163,7 +166,8 @@ class RunDirectory:
                         self._dead[pid] = now + DEAD_FOR
             dead = {p for p, until in self._dead.items() if until > now}
             settled = now - self._changed_at >= SETTLE_SECONDS
-            return LineStatus(status.expected - dead, status.moved_on, settled)
+            grace = FIRST_GRACE if self.rounds_done == 0 else LONELY_GRACE
+            return LineStatus(status.expected - dead, status.moved_on, settled, grace)
         return watch
 
     async def _take_cell(self, peers: dict[bytes, PeerEntry],
@@ -171,11 +175,12 @@ class RunDirectory:
         """Pick the emptiest cell. Peers joining together may pick the same one: the one with
         the higher peer id moves while an emptier cell exists, so a swarm started at once still
         fills the grid."""
+        if initial_coords is not None:  # a fixed cell: declare it at once, line-mates wait
+            self.coords = choose_coords(self.grid, Counter(), self.rng, initial_coords)
+            return peers
         peers = await self._settle(peers)
         self.coords = choose_coords(self.grid, Counter(e.coords for e in peers.values()),
-                                    self.rng, initial_coords)
-        if initial_coords is not None:
-            return peers
+                                    self.rng)
         for _ in range(MAX_MOVES):
             await self.declare(joining=True)
             await asyncio.sleep(SETTLE_INTERVAL)
@@ -210,6 +215,7 @@ class RunDirectory:
     async def finish(self, round_: int) -> None:
         """Members leave a round at r + 1, whatever became of it."""
         self.round = max(self.round, round_ + 1)
+        self.rounds_done += 1
         await self.declare()
 
     async def leave(self) -> None:
