@@ -27,6 +27,7 @@ from moshpit.errors import (
     InvalidRequest,
     MoshpitError,
     ProtocolError,
+    StateUnavailable,
     from_reply,
 )
 
@@ -116,6 +117,8 @@ class Client:
         self._shared: list[tuple[int, int, int, mmap.mmap]] = []  # id, address, size, map
         self._next_id = 0
         self.last_round: RoundInfo | None = None
+        # the last download_state: {"version", "donors" (holders seen), "served_by"}
+        self.last_download: dict[str, int] | None = None
         hello = self._request({"op": "hello"}, timeout=connect_timeout)
         self.peer_id: str = str(hello.get("peer_id", ""))
 
@@ -212,12 +215,26 @@ class Client:
         """The latest state published under `key` by peers, downloaded by this daemon from
         several donors at once (a donor that dies mid-way is replaced). Raises
         StateUnavailable if no donor answers within `timeout`."""
+        deadline = time.monotonic() + timeout
         with self._lock:
-            info = self._request({"op": "state_info", "key": key, "timeout": timeout},
-                                 timeout=timeout + 10.0)
-            self._ensure_buffer(int(info["total"]))
-            reply = self._request({"op": "download_state", "key": key, "buffer": 0,
-                                   "timeout": timeout}, timeout=timeout + 10.0)
+            while True:
+                info = self._request({"op": "state_info", "key": key, "timeout": timeout},
+                                     timeout=timeout + 10.0)
+                self._ensure_buffer(int(info["total"]))
+                remaining = max(deadline - time.monotonic(), 0.5)
+                try:
+                    reply = self._request({"op": "download_state", "key": key, "buffer": 0,
+                                           "version": int(info["version"]),
+                                           "timeout": remaining}, timeout=remaining + 10.0)
+                    break
+                except StateUnavailable:
+                    # every holder of that version left meanwhile: a newer one may exist
+                    timeout = deadline - time.monotonic()
+                    if timeout < 0.5:
+                        raise
+            self.last_download = {"version": int(reply["version"]),
+                                  "donors": int(reply["donors"]),
+                                  "served_by": int(reply["served_by"])}
             specs = [list(t) for t in reply["tensors"]]
             views = self._views(self._mmap, specs)
             tensors = [v.clone().reshape(tuple(shape)) for v, (_, shape, _) in

@@ -10,10 +10,11 @@ at the byte where it stopped.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -31,18 +32,31 @@ CHUNK = 1 << 20
 RANGE = 4 << 20
 MAX_DONORS = 4
 MAX_HEADER = 1 << 20
+LEASE = 60.0  # a version a joiner asked for stays served this long after its last request
+MAX_KEPT = 3  # versions kept per key: the latest and ones still being downloaded
+SUPERSEDED_GRACE = 10.0  # a replaced version stays served this long
 
 
 class StateUnavailable(Exception):
     """No donor could provide the run's state in time."""
 
 
+def range_digests(data: bytes | memoryview, size: int = RANGE) -> list[bytes]:
+    """One BLAKE2b digest per byte range: a joiner checks every range it assembles, so a range
+    from a donor holding other bytes under the same version (a diverged peer, a liar) is
+    caught and fetched again elsewhere. (hashlib releases the GIL: this runs in a thread.)"""
+    view = memoryview(data)
+    return [hashlib.blake2b(view[i:i + size], digest_size=16).digest()
+            for i in range(0, len(view), size)]
+
+
 @dataclass
 class Snapshot:
     version: int
-    header: bytes  # msgpack {"tensors": [...], "meta": {...}}
+    header: bytes  # msgpack {"tensors": [...], "meta": {...}, "range": int, "digests": [...]}
     data: bytes
     published: float = field(default_factory=time.monotonic)
+    leased_until: float = 0.0  # pinned while a joiner downloads it
 
 
 @dataclass(frozen=True)
@@ -58,22 +72,36 @@ class StateStore:
     dht: DHTNode
     peer_id: bytes
     endpoint: str
-    snapshots: dict[str, Snapshot] = field(default_factory=dict)
+    snapshots: dict[str, list[Snapshot]] = field(default_factory=dict)  # oldest first
 
     async def publish(self, key: str, tensors: list[list[Any]], meta: dict[str, Any],
                       data: bytes, version: int | None = None) -> int:
         # Donors that publish the same version (say, the same training step) are
         # interchangeable, so a download can take its byte ranges from several of them.
         version = time.time_ns() if version is None else version
-        header = bytes(msgpack.packb({"tensors": tensors, "meta": meta}))
+        digests = await asyncio.to_thread(range_digests, data)
+        header = bytes(msgpack.packb({"tensors": tensors, "meta": meta, "range": RANGE,
+                                      "digests": digests}))
         if len(header) > MAX_HEADER:
             raise ValueError(f"state header of {len(header)} bytes exceeds {MAX_HEADER}")
-        # a snapshot nobody republished within the donor record's lifetime is advertised by no
-        # one any more: drop it rather than hold its bytes forever
-        stale = time.monotonic() - DONOR_TTL
-        for old in [k for k, snap in self.snapshots.items() if snap.published < stale]:
-            del self.snapshots[old]
-        self.snapshots[key] = Snapshot(version, header, data)
+        now = time.monotonic()
+        # A version we replace stays served for a while (a joiner may have just read its
+        # header) and as long as joiners keep downloading it; a snapshot nobody republished
+        # within the donor record's lifetime is advertised by no one any more.
+        if self.snapshots.get(key):
+            replaced = self.snapshots[key][-1]
+            replaced.leased_until = max(replaced.leased_until, now + SUPERSEDED_GRACE)
+        for k in list(self.snapshots):
+            *older, latest = self.snapshots[k]
+            kept = [snap for snap in older if snap.leased_until > now]
+            if latest.leased_until > now or latest.published >= now - DONOR_TTL:
+                kept.append(latest)
+            if kept:
+                self.snapshots[k] = kept
+            else:
+                del self.snapshots[k]
+        kept = [snap for snap in self.snapshots.get(key, []) if snap.version != version]
+        self.snapshots[key] = [*kept[-(MAX_KEPT - 1):], Snapshot(version, header, data, now)]
         value = bytes(msgpack.packb([self.endpoint, version, len(data)]))
         await self.dht.store_sub(f"{key}/donors", self.peer_id, value, DONOR_TTL)
         return version
@@ -86,14 +114,25 @@ class StateStore:
                              return_exceptions=True)
 
     # --- serving ------------------------------------------------------------------------
+    def _find(self, key: str, version: int) -> Snapshot | None:
+        snaps = self.snapshots.get(key)
+        if not snaps:
+            return None
+        if not version:
+            return snaps[-1]
+        return next((snap for snap in snaps if snap.version == version), None)
+
     async def serve(self, request: pb.StateRequest,
                     context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
-        snap = self.snapshots.get(request.key)
-        if snap is None or (request.version and request.version != snap.version):
-            await context.abort(grpc.StatusCode.NOT_FOUND if snap is None
+        snap = self._find(request.key, request.version)
+        if snap is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND if request.key not in self.snapshots
                                 else grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no state of version {request.version} for {request.key!r}")
             return
+        # a joiner that asked for this version gets it to the end, even if our trainer
+        # publishes newer ones meanwhile
+        snap.leased_until = time.monotonic() + LEASE
         total = len(snap.data)
         if request.length == 0:
             yield pb.StateChunk(offset=0, total=total, version=snap.version, header=snap.header)
@@ -119,73 +158,115 @@ class StateStore:
                 continue
         return out
 
-    async def header(self, key: str, pool: ChannelPool, timeout: float
+    async def header(self, key: str, pool: ChannelPool, timeout: float, version: int = 0
                      ) -> tuple[Donor, dict[str, Any], list[Donor]]:
-        """The latest state's description and the donors that hold it."""
+        """The latest state's description (or that of `version`) and the donors that hold it,
+        the one that answered first."""
         deadline = time.monotonic() + timeout
         while True:
             donors = await self.donors(key)
             # newest version first; if none of its donors answers (it died, or its record is
             # forged), an older version that a live donor holds is better than nothing
-            for version in sorted({d.version for d in donors}, reverse=True):
-                holders = [d for d in donors if d.version == version]
+            # (a donor that advertises a newer version may still serve an older one for a
+            # while: asked for `version`, we try every such donor)
+            versions = sorted({d.version for d in donors}, reverse=True) if not version \
+                else [version]
+            for v in versions:
+                holders = [d for d in donors if d.version == v or (version and d.version > v)]
                 for d in holders:
                     try:
                         chunk = await _first(pool, d, pb.StateRequest(key=key, length=0,
-                                                                      version=version),
+                                                                      version=v),
                                              min(max(deadline - time.monotonic(), 0.1), 5.0))
-                        info = msgpack.unpackb(chunk.header)
-                        return d, info, holders
+                        info = _check_header(msgpack.unpackb(chunk.header), chunk.total)
+                        holders = [replace(h, version=v, total=chunk.total) for h in holders]
+                        first = replace(d, version=v, total=chunk.total)
+                        return first, info, [first, *(h for h in holders if h != first)]
                     except (aio.AioRpcError, TimeoutError, ValueError) as exc:
                         log.info("state donor %s failed: %r", d.endpoint, exc)
             if time.monotonic() >= deadline:
-                raise StateUnavailable(f"no donor answered for run {key!r} within "
+                what = f"version {version} of run {key!r}" if version else f"run {key!r}"
+                raise StateUnavailable(f"no donor answered for {what} within "
                                        f"{timeout:.1f} s ({len(donors)} declared)")
             await asyncio.sleep(0.2)
 
-    async def download(self, key: str, donors: list[Donor], into: memoryview,
-                       pool: ChannelPool, timeout: float) -> int:
-        """Fills `into` with the state; returns how many donors served it."""
-        total = donors[0].total
+    async def download(self, key: str, info: dict[str, Any], donors: list[Donor],
+                       into: memoryview, pool: ChannelPool, timeout: float) -> int:
+        """Fills `into` with the state; returns how many donors served it. Every range is
+        checked against the header's digest; a donor that fails or sends other bytes is
+        replaced by the next holder, and its range resumes where it stopped (or starts over,
+        when the bytes were wrong)."""
+        total, size, digests = donors[0].total, info["range"], info["digests"]
         if len(into) < total:
             raise ValueError(f"buffer of {len(into)} bytes cannot hold {total} bytes of state")
-        todo: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-        for start in range(0, total, RANGE):
-            todo.put_nowait((start, min(start + RANGE, total)))
+        todo: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # (range index, resume at)
+        for index in range(len(digests)):
+            todo.put_nowait((index, index * size))
         served: set[bytes] = set()
         failed: set[bytes] = set()
-        alive = list(donors[:MAX_DONORS])
+        spare: list[Donor] = []
 
-        async def worker(d: Donor) -> None:
-            while not todo.empty():
-                start, stop = todo.get_nowait()
-                pos = start
+        at: dict[int, int] = {}  # range index -> bytes of it in place so far
+
+        async def fetch(d: Donor, index: int, pos: int) -> None:
+            """Raises on a failed or lying donor; `at` says where the range stands."""
+            start, stop = index * size, min((index + 1) * size, total)
+            call = pool.download(d.endpoint, pb.StateRequest(
+                key=key, offset=pos, length=stop - pos, version=d.version), timeout)
+            async for chunk in call:
+                n = len(chunk.data)
+                if chunk.offset != pos or pos + n > stop:
+                    raise ValueError("donor sent a chunk out of place")
+                into[pos:pos + n] = chunk.data
+                pos = at[index] = pos + n
+            if pos != stop:
+                raise ValueError("donor stopped short")
+            digest = await asyncio.to_thread(range_digests, into[start:stop], size)
+            if digest[0] != digests[index]:
+                at[index] = start  # we cannot tell whose bytes were wrong: fetch it again
+                raise _BadRange(f"bytes {start}..{stop} do not match the header's digest")
+
+        async def worker(d: Donor | None) -> None:
+            while d is not None:
                 try:
-                    call = pool.download(d.endpoint, pb.StateRequest(
-                        key=key, offset=start, length=stop - start, version=d.version), timeout)
-                    async for chunk in call:
-                        n = len(chunk.data)
-                        if chunk.offset != pos or pos + n > stop:
-                            raise ValueError("donor sent a chunk out of place")
-                        into[pos:pos + n] = chunk.data
-                        pos += n
-                    if pos != stop:
-                        raise ValueError("donor stopped short")
+                    index, pos = todo.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                try:
+                    await fetch(d, index, pos)
                     served.add(d.peer_id)
                 except (aio.AioRpcError, ValueError) as exc:
+                    resume = at.get(index, pos)
                     log.info("state donor %s failed at byte %d: %r; its range moves on",
-                             d.endpoint, pos, exc)
-                    todo.put_nowait((pos, stop))  # resume where it stopped, elsewhere
+                             d.endpoint, resume, exc)
+                    todo.put_nowait((index, resume))
                     failed.add(d.peer_id)
-                    return
+                    d = spare.pop(0) if spare else None  # the next holder takes its place
 
         async with asyncio.timeout(timeout):
             while not todo.empty():
-                if not alive:
+                usable = [d for d in donors if d.peer_id not in failed]
+                if not usable:
                     raise StateUnavailable(f"every donor of run {key!r} failed mid-download")
-                await asyncio.gather(*(worker(d) for d in alive))
-                alive = [d for d in alive if d.peer_id not in failed]
+                spare[:] = usable[MAX_DONORS:]
+                await asyncio.gather(*(worker(d) for d in usable[:MAX_DONORS]))
         return len(served)
+
+
+class _BadRange(ValueError):
+    """A range's bytes do not match its digest: the donor holds other bytes."""
+
+
+def _check_header(info: Any, total: int) -> dict[str, Any]:
+    """A donor's header must describe `total` bytes in digested ranges."""
+    if not isinstance(info, dict):
+        raise ValueError("state header is not a map")
+    size, digests = info.get("range"), info.get("digests")
+    if not (isinstance(size, int) and size > 0 and isinstance(digests, list)
+            and len(digests) == -(-total // size)
+            and all(isinstance(d, bytes) and len(d) == 16 for d in digests)):
+        raise ValueError("state header does not describe its byte ranges")
+    return info
 
 
 async def _first(pool: ChannelPool, donor: Donor, request: pb.StateRequest,

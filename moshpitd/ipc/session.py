@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from moshpitd import __version__
@@ -281,14 +282,18 @@ class Session:
                 raise RequestError("version must be a positive 63-bit integer")
             version = await store.publish(key, packed, meta, data, version)
             return {"version": version, "total": len(data)}
-        _, info, holders = await store.header(key, pool, timeout)
+        # one deadline for finding a donor and downloading: the trainer waits no longer
+        deadline = time.monotonic() + timeout
+        version = _field(msg, "version", int, 0)  # download_state: the version state_info saw
+        _, info, holders = await store.header(key, pool, timeout, version)
         reply = {"total": holders[0].total, "version": holders[0].version,
                  "tensors": info.get("tensors", []), "meta": info.get("meta", {}),
                  "donors": len(holders)}
         if op == "download_state":
             buffer = self._buffer(msg)
-            reply["served_by"] = await store.download(key, holders, buffer.view(), pool,
-                                                      timeout)
+            remaining = max(deadline - time.monotonic(), 0.1)
+            reply["served_by"] = await store.download(key, info, holders, buffer.view(), pool,
+                                                      remaining)
         return reply
 
     def _buffer(self, msg: dict[str, Any]) -> SharedBuffer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -55,3 +56,69 @@ def test_dead_donor_is_replaced_without_starting_over(
     assert swarm.daemons[3].alive()
     log = swarm.daemons[3].log_path.read_text()
     assert "its range moves on" in log  # a dead donor's range went to another donor
+
+
+def test_download_is_spread_over_the_donors(swarm_factory: Callable[..., LocalSwarm]) -> None:
+    swarm = swarm_factory(4)
+    clients = [moshpit.Client(s) for s in swarm.sockets]
+    published = state(3, 24 << 20)  # 96 MiB: 24 ranges for three donors
+    for c in clients[:3]:
+        c.publish_state("spread", published, {"step": 3}, version=3)
+    tensors, _ = clients[3].download_state("spread", timeout=30)
+    for got, want in zip(tensors, published, strict=True):
+        assert torch.equal(got, want)
+    assert clients[3].last_download == {"version": 3, "donors": 3, "served_by": 3}
+
+
+def test_donors_publishing_again_do_not_break_a_download(
+        swarm_factory: Callable[..., LocalSwarm]) -> None:
+    """Trainers publish after every round. A joiner learns the latest version, then its
+    donors publish a newer one before and while it downloads: it still gets the version it
+    asked for, whole (the donors keep serving it), not an error and not a mix."""
+    swarm = swarm_factory(3)
+    donors = [moshpit.Client(s) for s in swarm.sockets[:2]]
+    numel = 8 << 20
+
+    def versioned(step: int) -> list[torch.Tensor]:
+        return [torch.full((numel,), float(step)), torch.full((3, 4), -float(step),
+                                                               dtype=torch.float64)]
+
+    def publish(step: int) -> None:
+        for c in donors:
+            c.publish_state("churn", versioned(step), {"step": step}, version=step)
+
+    class Joiner(moshpit.Client):
+        def _request(self, msg: dict[str, Any], timeout: float, **kw: Any) -> dict[str, Any]:
+            if msg.get("op") == "download_state":
+                publish(2)  # between learning the version and downloading it
+                threading.Timer(0.05, publish, (3,)).start()  # and during the download
+            return super()._request(msg, timeout, **kw)
+
+    publish(1)
+    joiner = Joiner(swarm.sockets[2])
+    tensors, meta = joiner.download_state("churn", timeout=30)
+    assert meta == {"step": 1}
+    assert torch.equal(tensors[0], torch.full((numel,), 1.0))
+    assert torch.equal(tensors[1], torch.full((3, 4), -1.0, dtype=torch.float64))
+    assert joiner.last_download is not None and joiner.last_download["version"] == 1
+    assert joiner.last_download["served_by"] == 2
+    time.sleep(0.5)  # the late publish is done: the next joiner gets the newest version
+    _, meta = moshpit.Client(swarm.sockets[2]).download_state("churn", timeout=30)
+    assert meta == {"step": 3}
+
+
+def test_donors_with_other_bytes_under_one_version_are_not_spliced(
+        swarm_factory: Callable[..., LocalSwarm]) -> None:
+    """Two donors claim the same version with different bytes (diverged peers, or a liar):
+    every range is checked against the digests of the donor whose header was taken, so the
+    joiner gets one donor's state whole, never a mix of both."""
+    swarm = swarm_factory(3)
+    a, b, joiner = (moshpit.Client(s) for s in swarm.sockets)
+    numel = 24 << 20  # 96 MiB: many ranges, so both donors would serve some
+    a.publish_state("split", [torch.full((numel,), 1.0)], {"who": "a"}, version=5)
+    b.publish_state("split", [torch.full((numel,), 2.0)], {"who": "b"}, version=5)
+    tensors, meta = joiner.download_state("split", timeout=60)
+    want = 1.0 if meta["who"] == "a" else 2.0
+    assert torch.equal(tensors[0], torch.full((numel,), want))
+    assert joiner.last_download is not None and joiner.last_download["served_by"] == 1
+    assert "do not match the header's digest" in swarm.daemons[2].log_path.read_text()
