@@ -50,16 +50,28 @@ opt = moshpit.Optimizer(inner, client=cfg["socket"], key="churn", average_every=
 loss_fn = nn.CrossEntropyLoss()
 steps_per_epoch = len(x) // cfg["batch"]
 total = cfg["epochs"] * steps_per_epoch
+
+
+def eval_loss() -> float:
+    """In eval mode, so BatchNorm's running statistics (buffers) count, not only weights."""
+    model.eval()
+    with torch.no_grad():
+        return float(loss_fn(model(x[:256]), y[:256]))
+
+
 if cfg.get("join"):
-    with torch.no_grad():
-        model.train()
-        fresh = float(loss_fn(model(x[:256]), y[:256]))
+    fresh = eval_loss()
     opt.load_state_from_peers(timeout=20)
-    with torch.no_grad():
-        model.train()
-        downloaded = float(loss_fn(model(x[:256]), y[:256]))
-    print(json.dumps({"joined_at": opt.local_step, "fresh_loss": fresh,
-                      "downloaded_loss": downloaded}), flush=True)
+    downloaded = eval_loss()
+    bn = model[1]
+    adam = [inner.state.get(p, {}) for p in model.parameters()]
+    print(json.dumps({
+        "joined_at": opt.local_step, "fresh_loss": fresh, "downloaded_loss": downloaded,
+        "adam_steps": [float(s["step"]) if "step" in s else 0.0 for s in adam],
+        "adam_exp_avg_sq": [float(s["exp_avg_sq"].sum()) if "exp_avg_sq" in s else 0.0
+                            for s in adam],
+        "bn_mean_norm": float(bn.running_mean.norm()),
+        "bn_var_off_one": float((bn.running_var - 1).abs().max())}), flush=True)
 else:
     assert opt.sync(min_group_size=world), opt.last_error
 gen = torch.Generator().manual_seed(1000 + rank)
@@ -83,7 +95,7 @@ while opt.local_step < total:
         if opt.local_step >= total:
             break
     print(json.dumps({"rank": rank, "epoch": epoch, "step": opt.local_step,
-                      "loss": float(loss)}), flush=True)
+                      "loss": float(loss), "eval_loss": eval_loss()}), flush=True)
 final = opt.sync(min_group_size=cfg["final_group"])
 model.eval()
 with torch.no_grad():
@@ -125,6 +137,7 @@ def test_kill_at_a_third_join_at_half(tmp_path: Path) -> None:
             while time.monotonic() < deadline:
                 line = procs[0].stdout.readline()
                 assert line, procs[0].stderr.read() if procs[0].stderr else ""
+                swarm_loss = json.loads(line)["eval_loss"]  # rank 0's, epoch by epoch
                 if json.loads(line).get("step", 0) >= steps // 2:
                     break
             joiner_daemon = start_daemon("joiner", swarm.workdir, [swarm.daemons[0].dht])
@@ -148,11 +161,21 @@ def test_kill_at_a_third_join_at_half(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in out.strip().splitlines()]
     joined, survivors = lines[0], [*survivors, lines[-1]]
     print(f"joined at step {joined['joined_at']} of {steps}: loss {joined['fresh_loss']:.3f} "
-          f"fresh, {joined['downloaded_loss']:.3f} with the downloaded state")
+          f"fresh, {joined['downloaded_loss']:.3f} with the downloaded state, the swarm's "
+          f"{swarm_loss:.3f}")
     assert steps // 2 - 2 * EVERY <= joined["joined_at"] <= base["gate_step"], joined
+    # near the swarm's loss (on another shard, so not equal), far from a fresh model's
     assert joined["downloaded_loss"] < 0.25 * joined["fresh_loss"], joined
+    assert joined["downloaded_loss"] < 2 * swarm_loss + 0.1, (joined, swarm_loss)
+    # the optimizer state and the model's buffers came too, not only the weights
+    assert all(s >= steps // 2 - 2 * EVERY for s in joined["adam_steps"]), joined
+    assert all(v > 0 for v in joined["adam_exp_avg_sq"]), joined
+    assert joined["bn_mean_norm"] > 0.1 and joined["bn_var_off_one"] > 0.01, joined
     for r in survivors:
         assert r["final_sync"] is True, r
+    # a peer leaving (or arriving) costs the others at most the round it happened in
+    print("failed rounds per survivor:", [r["failed_rounds"] for r in survivors])
+    assert all(r["failed_rounds"] <= 2 for r in survivors[:3]), survivors
     accs = [r["accuracy"] for r in survivors]
     print(f"moshpit with churn {accs} vs single process {reference['accuracy']:.4f}")
     assert abs(accs[0] - reference["accuracy"]) <= 0.01, (accs, reference)
