@@ -4,12 +4,21 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The TORCH_SPEC the venv was installed with: rewritten (so newer than STAMP) only when it
+# changes, so `make TORCH_SPEC=torch==X.Y test` on an existing .venv reinstalls torch.
+TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: all venv system-deps test test-unit test-integration fuzz demo bench soak lint proto clean
+.PHONY: all venv system-deps test test-unit test-integration fuzz demo bench soak lint proto clean \
+	FORCE
 
 all: test
 
-$(STAMP): setup.cfg pyproject.toml
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@if [ "$$(cat $@ 2>/dev/null)" != '$(TORCH_SPEC)' ]; then \
+		echo 'torch: $(TORCH_SPEC)'; printf '%s\n' '$(TORCH_SPEC)' > $@; fi
+
+$(STAMP): setup.cfg pyproject.toml $(TORCH_STAMP)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"

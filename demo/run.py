@@ -1,4 +1,5 @@
-"""`make demo`: Moshpit SGD with churn: 4 daemons and 4 trainers on 127.0.0.1, one leaving.
+"""`make demo`: Moshpit SGD with churn on 127.0.0.1: 4 daemons and 4 trainers, one trainer
+killed, a 5th daemon and trainer joining.
 
 Each trainer trains an MLP on its shard of sklearn's digits with moshpit.Optimizer (Adam,
 averaged every few steps with its peers, optimizer state included). The last rank SIGKILLs
@@ -226,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Other options go to every trainer: see python -m demo.trainer -h.")
-    p.add_argument("--world", type=int, default=4, help="daemons and trainers to start (>= 2)")
+    p.add_argument("--world", type=int, default=4, help="daemons and trainers to start with "
+                   "(>= 3); one more of each joins")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--min-accuracy", type=float, default=0.85)
     p.add_argument("--deadline", type=float, default=150.0,
@@ -235,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                    "temporary directory, removed at the end)")
     p.add_argument("--log-level", default="INFO", help="the daemons' log level")
     args, extra = p.parse_known_args(argv)
-    if args.world < 2:
-        p.error("--world must be at least 2: one trainer leaves")
+    if args.world < 3:  # with 2, the one left would wait out every round's timeout alone
+        p.error("--world must be at least 3: one trainer leaves, the others go on averaging")
     try:
         return run(args, extra)
     except KeyboardInterrupt:

@@ -39,12 +39,20 @@ def settings_from_argv(argv: Sequence[str] | None = None) -> tuple[Settings, boo
     return load(flags, config_path=args.config), bool(args.check_config)
 
 
+async def _on_logged_loop(coro_main: Coroutine[Any, Any, int], why: str) -> int:
+    loop = asyncio.get_running_loop()
+    log.info("event loop: %s.%s%s", type(loop).__module__, type(loop).__qualname__, why)
+    return await coro_main
+
+
 def run(coro_main: Coroutine[Any, Any, int]) -> int:
+    """Runs the service on uvloop, or on asyncio's own loop if uvloop is missing (it is a
+    dependency on Linux, so that means a broken install); the loop in use is logged at INFO."""
     try:
         import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return int(asyncio.run(coro_main))
-    return int(uvloop.run(coro_main))
+    except ImportError as exc:  # pragma: no cover - uvloop is a dependency on Linux
+        return int(asyncio.run(_on_logged_loop(coro_main, f" (uvloop unavailable: {exc})")))
+    return int(uvloop.run(_on_logged_loop(coro_main, f" (uvloop {uvloop.__version__})")))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -311,3 +311,68 @@ def test_grid_rounds_reach_the_exact_mean(swarm4: LocalSwarm) -> None:
         torch.testing.assert_close(params[r][0].detach(), torch.full((3, 5), mean0))
         torch.testing.assert_close(params[r][1].detach(), torch.full((7,), -2.0 * mean0))
         opt.close()
+
+
+@pytest.mark.parametrize(("make_inner", "state_keys"), [
+    (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+     ("momentum_buffer",)),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), ("exp_avg", "exp_avg_sq")),
+], ids=["sgd-nesterov", "adamw"])
+def test_optimizer_state_averaged_through_daemons(
+        swarm_factory: Callable[..., LocalSwarm],
+        make_inner: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+        state_keys: tuple[str, ...]) -> None:
+    """3 peers, a round every 2 steps, average_state=True, unequal batches. Plain torch
+    optimizers fed the same gradients (shadows) hold each peer's values before a round: after
+    it, parameters and state buffers are one value on every peer, the samples-weighted mean of
+    the shadows'. Two rounds with other batches: the weight counts samples since the last one."""
+    peers = 3
+    swarm = swarm_factory(peers)
+
+    def init(r: int) -> list[torch.nn.Parameter]:
+        g = torch.Generator().manual_seed(r)
+        return [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((4, 3), (5,))]
+
+    live, shadow = [init(r) for r in range(peers)], [init(r) for r in range(peers)]
+    shadow_opts = [make_inner(s) for s in shadow]
+    opts = [moshpit.Optimizer(make_inner(live[r]), client=moshpit.Client(swarm.sockets[r]),
+                              key="state", average_every=2, group_size=peers,
+                              min_group_size=peers, average_state=True, timeout=20.0)
+            for r in range(peers)]
+
+    def averaged(params: list[torch.nn.Parameter],
+                 opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [*params, *(opt.state[p][k] for p in params for k in state_keys)]
+
+    gen = torch.Generator().manual_seed(99)
+    for batches in ([1, 2, 5], [3, 1, 1]):
+        for _ in range(2):
+            for r in range(peers):
+                for p, s in zip(live[r], shadow[r], strict=True):
+                    p.grad = torch.randn(p.shape, generator=gen)
+                    s.grad = p.grad.clone()
+                shadow_opts[r].step()
+            out = run_parallel([lambda r=r, b=b: opts[r].step(batch_size=b)
+                                for r, b in enumerate(batches)])
+            assert all(o is None for o in out), out
+        weights = [2.0 * b for b in batches]
+        before = [[t.detach().clone() for t in averaged(shadow[r], shadow_opts[r])]
+                  for r in range(peers)]
+        for opt in opts:
+            assert opt.failed_rounds == 0, opt.last_error
+            assert opt.last_round is not None and opt.last_round.group_size == peers
+        for k in range(len(before[0])):
+            want = sum(w * b[k].double() for w, b in zip(weights, before, strict=True))
+            want = (want / sum(weights)).float()
+            assert not any(torch.allclose(b[k], want) for b in before)  # averaging moved it
+            got = [averaged(live[r], opts[r].optimizer)[k].detach() for r in range(peers)]
+            assert all(torch.equal(g, got[0]) for g in got), k  # one value on every peer
+            torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():  # the shadows take the round's result, as the peers did
+            for r in range(peers):
+                for s, t in zip(averaged(shadow[r], shadow_opts[r]),
+                                averaged(live[r], opts[r].optimizer), strict=True):
+                    s.copy_(t)
+    assert [opt.rounds_done for opt in opts] == [2] * peers
+    for opt in opts:
+        opt.close()
