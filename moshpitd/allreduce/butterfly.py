@@ -74,7 +74,7 @@ class ButterflyRound:
         self.codec = codec
         self.connect = connect
         self.fault = fault or FaultPlan()
-        self.parts = plan_parts(view.runs, group.shares, part_bytes)
+        self.parts = plan_parts(view.runs, group.shares, part_bytes, codec)
         self.by_owner: dict[int, list[Part]] = defaultdict(list)
         for p in self.parts:
             self.by_owner[p.owner].append(p)
@@ -108,7 +108,7 @@ class ButterflyRound:
         self.fault.before_send()
         weight = self.group.members[self.me].weight
         for p in self.my_parts:
-            self.contribute(p, self.me, self.view.read(p), weight)
+            self.contribute(p, self.me, self.view.views(p), weight)
         if not self._pending_own:
             self._own_done.set()
         links = [OwnerLink(self, owner, parts) for owner, parts in self.by_owner.items()
@@ -152,7 +152,8 @@ class ButterflyRound:
                 if link.done.is_set():
                     break  # it failed or excluded us: nothing more to send
                 await self.fault.during_send(i)
-                await channel.send(PART, p.index, self.codec.encode(self.view.read(p)))
+                # straight from the trainer's buffer (codec none), piece by piece
+                await channel.send(PART, p.index, *self.codec.encode_pieces(self.view.views(p)))
             await link.done.wait()
         except ConnectionRefusedError as exc:
             # nobody listens there: it died, so do not wait for its parts either
@@ -191,7 +192,7 @@ class ButterflyRound:
         task.add_done_callback(self._writers.discard)
         return slot
 
-    def contribute(self, part: Part, sender: int, values: np.ndarray,
+    def contribute(self, part: Part, sender: int, values: np.ndarray | list[np.ndarray],
                    weight: float | None = None) -> None:
         if part.owner != self.me:
             raise ReductionError(f"part {part.index} is not reduced by member {self.me}")
@@ -218,7 +219,12 @@ class ButterflyRound:
         part = self.parts[index]
         mask = self.reducer.mask(index)
         if mask:
-            self.view.write(part, self.reducer.result(index))
+            pieces = self.view.views(part)
+            if len(pieces) == 1 or self.codec.name != "none":
+                # the result lands in the trainer's buffer and is sent back from there
+                self.reducer.result_into(index, pieces)
+            else:  # kept whole: it is the one payload that goes back to each sender
+                self.view.write(part, self.reducer.result(index))
         self.applied[index] = mask
         self._pending_own.discard(index)
         for sender, slot in self.slots.items():
@@ -281,9 +287,17 @@ class ButterflyRound:
         return [s for s in range(len(self.group.members)) if waiting >> s & 1]
 
     def result_payload(self, index: int) -> memoryview:
+        """An averaged part's wire bytes, from where `_finalise` left it."""
         payload = self._payloads.get(index)
         if payload is None:
-            payload = self._payloads[index] = self.codec.encode(self.reducer.result(index))
+            pieces = self.view.views(self.parts[index])
+            if self.codec.name != "none":
+                (payload,) = self.codec.encode_pieces(pieces)
+            elif len(pieces) == 1:
+                payload = pieces[0].data.cast("B")
+            else:
+                payload = self.codec.encode(self.reducer.result(index))
+            self._payloads[index] = payload
         return payload
 
     def _result(self, seconds: float) -> RoundResult:

@@ -8,6 +8,7 @@ same schema: nothing about the cut is negotiated.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+from moshpitd.allreduce.codecs import CODECS, Codec
 
 SUPPORTED_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 DEFAULT_PART_BYTES = 1 << 20
@@ -100,6 +103,8 @@ def schema_hash(specs: Sequence[TensorSpec], codec: str = "none",
         fields.append(aggregation)
     if part_bytes != DEFAULT_PART_BYTES:
         fields.append(["part_bytes", part_bytes])
+    if codec != "none":  # parts are sized by their encoded bytes (they used to be by raw bytes)
+        fields.append(["wire_sized", 1])
     packed = msgpack.packb(fields)
     return hashlib.sha256(packed).digest()[:16]
 
@@ -154,14 +159,16 @@ def span_bounds(total: int, shares: Sequence[float]) -> list[int]:
 
 
 def plan_parts(runs: Sequence[Run], shares: Sequence[float],
-               part_bytes: int = DEFAULT_PART_BYTES) -> list[Part]:
-    """Every (run, span) intersection cut into parts of at most part_bytes."""
+               part_bytes: int = DEFAULT_PART_BYTES, codec: Codec = CODECS["none"]
+               ) -> list[Part]:
+    """Every (run, span) intersection cut into parts of at most part_bytes on the wire: a
+    codec that compresses gets parts with more values, so a part costs the same per frame."""
     total = sum(r.numel for r in runs)
     bounds = span_bounds(total, shares)
     parts: list[Part] = []
     run_start = 0
     for run_idx, run in enumerate(runs):
-        step = max(1, part_bytes // np.dtype(run.dtype).itemsize)
+        step = codec.max_elements(part_bytes, np.dtype(run.dtype))
         run_stop = run_start + run.numel
         for owner in range(len(shares)):
             lo, hi = max(bounds[owner], run_start), min(bounds[owner + 1], run_stop)
@@ -173,7 +180,11 @@ def plan_parts(runs: Sequence[Run], shares: Sequence[float],
 
 
 class FlatView:
-    """Reads and writes parts of the flat vector in the shared buffer, in place."""
+    """Reads and writes parts of the flat vector in the shared buffer, in place.
+
+    Tensors of a run that lie back to back in the buffer form one *segment*, so a part that
+    crosses their boundary is still one slice of memory; only a gap between tensors (alignment
+    padding) splits a part into pieces, which then travel as separate payloads."""
 
     def __init__(self, buffer: memoryview, specs: Sequence[TensorSpec]) -> None:
         validate_specs(specs, len(buffer))
@@ -183,27 +194,46 @@ class FlatView:
             np.frombuffer(buffer, dtype=s.dtype, count=s.numel, offset=s.offset)
             for s in self.specs
         ]
-        # per run: element offset of each of its tensors inside the run
-        self._starts = [
-            np.cumsum([0] + [self.specs[i].numel for i in r.tensors]).tolist() for r in self.runs
-        ]
+        # per run: (element offset inside the run, array) of each segment, then the run's end
+        self._segments: list[list[tuple[int, np.ndarray]]] = []
+        self._starts: list[list[int]] = []
+        for run in self.runs:
+            segments: list[tuple[int, np.ndarray]] = []
+            pos, seg_start, seg_offset, seg_end, seg_numel = 0, 0, -1, -1, 0
+            for i in run.tensors:
+                s = self.specs[i]
+                if s.numel == 0:
+                    continue
+                if s.offset != seg_end:  # not adjacent: close the segment, open another
+                    if seg_numel:
+                        segments.append((seg_start, np.frombuffer(
+                            buffer, run.dtype, seg_numel, seg_offset)))
+                    seg_start, seg_offset, seg_numel = pos, s.offset, 0
+                seg_numel += s.numel
+                seg_end = s.offset + s.nbytes
+                pos += s.numel
+            if seg_numel:
+                segments.append((seg_start, np.frombuffer(buffer, run.dtype, seg_numel,
+                                                          seg_offset)))
+            self._segments.append(segments)
+            self._starts.append([start for start, _ in segments] + [run.numel])
 
-    def _pieces(self, part: Part) -> list[tuple[np.ndarray, int, int]]:
-        run, starts = self.runs[part.run], self._starts[part.run]
+    def views(self, part: Part) -> list[np.ndarray]:
+        """The part's values as views of the buffer, in order (one unless there is a gap)."""
+        segments, starts = self._segments[part.run], self._starts[part.run]
+        k = bisect.bisect_right(starts, part.start) - 1
         out = []
-        for k, t in enumerate(run.tensors):
-            lo, hi = max(part.start, starts[k]), min(part.stop, starts[k + 1])
-            if lo < hi:
-                out.append((self._arrays[t], lo - starts[k], hi - starts[k]))
+        while starts[k] < part.stop:
+            seg_start, arr = segments[k]
+            out.append(arr[max(part.start, seg_start) - seg_start:
+                           min(part.stop, starts[k + 1]) - seg_start])
+            k += 1
         return out
 
     def read(self, part: Part) -> np.ndarray:
-        """A view when the part lies in one tensor, else a gathered copy."""
-        pieces = self._pieces(part)
-        if len(pieces) == 1:
-            arr, lo, hi = pieces[0]
-            return arr[lo:hi]
-        return np.concatenate([arr[lo:hi] for arr, lo, hi in pieces])
+        """A view when the part is one slice of memory, else a gathered copy."""
+        pieces = self.views(part)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def pack(self) -> tuple[bytes, list[list[Any]]]:
         # the tensors copied into one contiguous snapshot (64-byte aligned), with their
@@ -225,18 +255,15 @@ class FlatView:
                 raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
 
     def region(self, part: Part) -> memoryview | None:
-        """The part's bytes in the buffer when it lies in one tensor (for recv_into)."""
-        pieces = self._pieces(part)
-        if len(pieces) != 1:
-            return None
-        arr, lo, hi = pieces[0]
-        return arr[lo:hi].data.cast("B")
+        """The part's bytes in the buffer when they are one slice (for recv_into)."""
+        pieces = self.views(part)
+        return pieces[0].data.cast("B") if len(pieces) == 1 else None
 
     def write(self, part: Part, values: np.ndarray) -> None:
         pos = 0
-        for arr, lo, hi in self._pieces(part):
-            arr[lo:hi] = values[pos:pos + hi - lo]
-            pos += hi - lo
+        for piece in self.views(part):
+            piece[:] = values[pos:pos + piece.size]
+            pos += piece.size
 
 
 def specs_from_wire(tensors: Sequence[Any]) -> tuple[TensorSpec, ...]:

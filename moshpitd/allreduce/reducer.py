@@ -10,11 +10,16 @@ float32 and float16 parts accumulate in float32 (as gloo does), float64 in float
 A robust aggregation (moshpitd/allreduce/robust.py) cannot accumulate: it keeps each sender's
 contribution (one float64 row per sender, group size x part size per part) and aggregates the
 rows that arrived when the part becomes final. The mean never allocates those rows.
+
+The mean's accumulators come from a pool shared by the daemon's rounds: a fresh array per part
+costs a page fault per 4 KiB (the kernel zeroes each page) and starts cold in the cache. A part
+whose result is written out with `result_into` gives its accumulator back at once, so a round
+cycles through about as many accumulators as it has parts in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +30,35 @@ from moshpitd.allreduce.robust import aggregate, check_aggregation
 
 class ReductionError(ValueError):
     """A contribution does not fit the part it claims to be, or is not a finite number."""
+
+
+class ArrayPool:
+    """Free 1-D arrays by dtype, up to max_bytes in all; `take` hands out a slice of one that
+    is large enough (or a new array), `give` takes back what `take` handed out."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+        self._free: dict[np.dtype, list[np.ndarray]] = {}
+
+    def take(self, n: int, dtype: np.dtype) -> np.ndarray:
+        free = self._free.get(dtype, [])
+        for i in range(len(free) - 1, -1, -1):  # the most recently given back: warm in cache
+            if free[i].size >= n:
+                base = free.pop(i)
+                self.held -= base.nbytes
+                return base[:n]
+        return np.empty(n, dtype=dtype)
+
+    def give(self, arr: np.ndarray) -> None:
+        base = arr if arr.base is None else arr.base
+        if isinstance(base, np.ndarray) and base.ndim == 1 and \
+                self.held + base.nbytes <= self.max_bytes:
+            self._free.setdefault(base.dtype, []).append(base)
+            self.held += base.nbytes
+
+
+ACCUMULATORS = ArrayPool(32 << 20)
 
 
 @dataclass
@@ -39,18 +73,20 @@ class _Slot:
 
 class PartReducer:
     def __init__(self, parts: Iterable[Part], dtypes: dict[int, np.dtype], senders: int,
-                 aggregation: str = "mean") -> None:
+                 aggregation: str = "mean", pool: ArrayPool = ACCUMULATORS) -> None:
         self.expected = senders
+        self.pool = pool
         self.aggregation = check_aggregation(aggregation)
         self.excluded = 0  # bitmask of excluded senders
         self._slots = {p.index: _Slot(p, np.dtype(dtypes[p.run])) for p in parts}
         self._results: dict[int, np.ndarray] = {}
         self._scratch: np.ndarray | None = None
 
-    def add(self, part_index: int, sender: int, weight: float, values: np.ndarray,
-            trusted: bool = False) -> bool:
-        """Adds one sender's part; True when the part became final with it. `trusted` skips
-        the NaN/Inf check for values already checked (our own, checked per request)."""
+    def add(self, part_index: int, sender: int, weight: float,
+            values: np.ndarray | Sequence[np.ndarray], trusted: bool = False) -> bool:
+        """Adds one sender's part (an array, or pieces that follow one another); True when the
+        part became final with it. `trusted` skips the NaN/Inf check for values already
+        checked (our own, checked per request)."""
         slot = self._slots.get(part_index)
         if slot is None:
             raise ReductionError(f"part {part_index} is not reduced here")
@@ -59,36 +95,57 @@ class PartReducer:
             raise ReductionError(f"sender {sender} is not (or no longer) in this round")
         if slot.mask & bit:
             raise ReductionError(f"sender {sender} sent part {part_index} twice")
-        if values.shape != (slot.part.numel,):
-            raise ReductionError(
-                f"part {part_index}: {values.size} elements, expected {slot.part.numel}"
-            )
-        if not trusted and not all_finite(values):
+        if isinstance(values, np.ndarray):
+            pieces = [values]
+        elif isinstance(values, list | tuple):
+            pieces = list(values)
+        else:
+            raise ReductionError(f"part {part_index}: values of type {type(values).__name__}")
+        if any(p.ndim != 1 for p in pieces) or sum(p.size for p in pieces) != slot.part.numel:
+            raise ReductionError(f"part {part_index}: {sum(p.size for p in pieces)} elements "
+                                 f"in shapes {[p.shape for p in pieces]}, expected "
+                                 f"{slot.part.numel}")
+        if not trusted and not all(all_finite(p) for p in pieces):
             raise ReductionError(f"sender {sender} sent non-finite values in part {part_index}")
         if self.aggregation != "mean":
-            self._keep(slot, sender, weight, values)
+            self._keep(slot, sender, weight, pieces)
             return self.is_final(part_index)
-        acc_dtype = np.float64 if slot.dtype == np.float64 else np.float32
-        if slot.acc is None:
-            slot.acc = np.multiply(values, weight, dtype=acc_dtype)
-        elif weight == 1.0:
-            np.add(slot.acc, values, out=slot.acc)
-        else:
-            if self._scratch is None or self._scratch.size < values.size or \
-                    self._scratch.dtype != acc_dtype:
-                self._scratch = np.empty(max(values.size, slot.part.numel), dtype=acc_dtype)
-            scaled = np.multiply(values, weight, out=self._scratch[:values.size], dtype=acc_dtype)
-            np.add(slot.acc, scaled, out=slot.acc)
+        acc_dtype = np.dtype(np.float64 if slot.dtype == np.float64 else np.float32)
+        first = slot.acc is None
+        if first:
+            slot.acc = self.pool.take(slot.part.numel, acc_dtype)
+        assert slot.acc is not None
+        pos = 0
+        for piece in pieces:
+            acc = slot.acc[pos:pos + piece.size]
+            pos += piece.size
+            if first and weight == 1.0:
+                np.copyto(acc, piece)
+            elif first:
+                np.multiply(piece, weight, out=acc, dtype=acc_dtype)
+            elif weight == 1.0:
+                np.add(acc, piece, out=acc)  # casts a float16 piece on the fly
+            else:
+                np.add(acc, self._scaled(piece, weight, acc_dtype), out=acc)
         slot.weight += weight
         slot.mask |= bit
         return self.is_final(part_index)
 
-    def _keep(self, slot: _Slot, sender: int, weight: float, values: np.ndarray) -> None:
+    def _scaled(self, values: np.ndarray, weight: float, dtype: np.dtype) -> np.ndarray:
+        if self._scratch is None or self._scratch.size < values.size or \
+                self._scratch.dtype != dtype:
+            self._scratch = np.empty(values.size, dtype=dtype)
+        return np.multiply(values, weight, out=self._scratch[:values.size], dtype=dtype)
+
+    def _keep(self, slot: _Slot, sender: int, weight: float, pieces: list[np.ndarray]) -> None:
         if slot.acc is None:
             slot.acc = np.empty((self.expected, slot.part.numel), dtype=np.float64)
             slot.weights = np.zeros(self.expected)
         assert slot.weights is not None
-        slot.acc[sender] = values  # the one copy: staging buffers are reused for the next part
+        pos = 0
+        for piece in pieces:  # the one copy: staging buffers are reused for the next part
+            slot.acc[sender, pos:pos + piece.size] = piece
+            pos += piece.size
         slot.weights[sender] = weight
         slot.weight += weight
         slot.mask |= 1 << sender
@@ -127,6 +184,8 @@ class PartReducer:
         if done is not None:
             return done
         slot = self._slots[part_index]
+        if slot.acc is None and slot.weight > 0:
+            raise ReductionError(f"part {part_index}: its result was written out already")
         if slot.acc is None or slot.weight <= 0:
             raise ReductionError(f"part {part_index} has no weighted contribution")
         if self.aggregation != "mean":
@@ -140,6 +199,30 @@ class PartReducer:
             out = (slot.acc / slot.weight).astype(slot.dtype)
         self._results[part_index] = out
         return out
+
+    def result_into(self, part_index: int, out: Sequence[np.ndarray]) -> None:
+        """Writes the final result into `out` (pieces that follow one another, e.g. the
+        trainer's buffer), scaling straight from the accumulator, which goes back to the
+        pool: no result array, no second pass. `result` cannot be asked for afterwards."""
+        slot = self._slots[part_index]
+        if self.aggregation != "mean" or part_index in self._results or slot.acc is None \
+                or slot.weight <= 0 or not self.is_final(part_index):
+            values = self.result(part_index)  # raises when there is no result
+            pos = 0
+            for piece in out:
+                piece[:] = values[pos:pos + piece.size]
+                pos += piece.size
+            return
+        acc, pos = slot.acc, 0
+        for piece in out:
+            src = acc[pos:pos + piece.size]
+            pos += piece.size
+            if piece.dtype == acc.dtype:  # as `result` computes it, rounding included
+                np.multiply(src, 1.0 / slot.weight, out=piece)
+            else:
+                np.divide(src, slot.weight, out=piece)
+        slot.acc = None
+        self.pool.give(acc)
 
     def _robust(self, part_index: int, slot: _Slot) -> np.ndarray:
         """The aggregate of the rows that arrived; once final, computed once and the rows

@@ -50,6 +50,10 @@ MIN_POLL = 0.02
 MAX_POLL = 0.5
 STRAGGLER_PROBE = 0.3  # a declared peer this long outside our group gets asked if it lives
 RETRY_ASK = 0.25  # how soon to ask a leader again that turned us away
+# A group below its target assembles this long before the earliest deadline among its members,
+# at most a tenth of an attempt: followers give up at their deadline, the GroupInfo must reach
+# them first (a poll of the DHT comes between waking up and assembling).
+ASSEMBLY_LEAD = 0.2
 
 
 class Matchmaker(Leading):
@@ -149,12 +153,14 @@ class Matchmaker(Leading):
             candidates = [c for c in candidates if c.peer_id not in self._dead]
             if self.watcher is not None:
                 status = await self.watcher()
-                self.expected = status.expected
+                # a line-mate found dead (its declaration outlives it) is not waited for
+                self.expected = status.expected - self._dead
                 self.settled = status.settled
                 self._check_lonely(candidates, status, now)
             if self.assembled.done():
                 return self.assembled.result()
-            if self.accepting and self._ready_to_assemble(candidates, now):
+            assemble_at = self._assemble_at(candidates)
+            if self.accepting and self._ready_to_assemble(candidates, now, assemble_at):
                 return self._assemble()
             if now >= self._deadline:
                 self._disband(None)
@@ -178,8 +184,9 @@ class Matchmaker(Leading):
                 if self.assembled.done():
                     return self.assembled.result()
             self._wake.clear()
+            wake_at = assemble_at if now < assemble_at else self._deadline
             try:
-                async with asyncio.timeout(min(poll, max(self._deadline - time.monotonic(), 0))):
+                async with asyncio.timeout(min(poll, max(wake_at - time.monotonic(), 0))):
                     await self._wake.wait()
                 poll = MIN_POLL
             except TimeoutError:
@@ -237,13 +244,20 @@ class Matchmaker(Leading):
                              self.req.key, c.peer_id.hex()[:8])
                     self._dead.add(c.peer_id)
 
-    def _ready_to_assemble(self, candidates: list[Candidate], now: float) -> bool:
+    def _assemble_at(self, candidates: list[Candidate]) -> float:
+        """When a group below its target assembles at the latest: before our deadline and
+        before our followers' (their declarations' TTLs tell, whatever their clocks say)."""
+        ends = [c.deadline for c in candidates if c.peer_id in self.followers]
+        return min([self._deadline, *ends]) - min(ASSEMBLY_LEAD, self.req.attempt_seconds / 10)
+
+    def _ready_to_assemble(self, candidates: list[Candidate], now: float,
+                           assemble_at: float) -> bool:
         size = 1 + len(self.followers)
         if size >= self.req.target_size:
             return True
         if size < self.req.min_size:
             return False
-        if now >= self._deadline:
+        if now >= assemble_at:
             return True
         if self.expected is not None:
             if not self.settled:

@@ -1,4 +1,5 @@
-"""Each wire codec's error on random data, with bounds that a broken codec would exceed."""
+"""Each wire codec's error on random data, with bounds that a broken codec would exceed; parts
+encoded from pieces; parts sized by their bytes on the wire."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from moshpitd.allreduce.codecs import CODECS, CodecError, get_codec
+from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, Run, plan_parts
 
 # worst error per element: relative (half an ulp of the format) plus absolute (half the
 # smallest subnormal step, where fp16 runs out of exponent)
@@ -49,3 +51,40 @@ def test_bad_payload_and_unknown_codec() -> None:
         get_codec("zstd")
     with pytest.raises(CodecError):
         get_codec("fp16").decode(memoryview(b"\0" * 5), 3, np.dtype(np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_pieces_encode_like_their_concatenation(name: str, dtype: type) -> None:
+    codec, x = get_codec(name), np.random.default_rng(1).standard_normal(1000).astype(dtype)
+    whole = bytes(codec.encode(x))
+    for cuts in ([], [1], [255, 256, 700], [0, 999]):
+        pieces = np.split(x, cuts)
+        assert b"".join(bytes(p) for p in codec.encode_pieces(pieces)) == whole
+    if name == "none":  # the pieces themselves, no copy
+        assert np.shares_memory(np.frombuffer(codec.encode_pieces([x[3:9]])[0], dtype), x)
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_max_elements_is_the_most_that_fit(name: str, dtype: type) -> None:
+    codec, dt = get_codec(name), np.dtype(dtype)
+    for nbytes in [*range(1, 700), 1 << 19, (1 << 20) - 1, 1 << 20]:
+        n = codec.max_elements(nbytes, dt)
+        assert n >= 1
+        if codec.encoded_size(1, dt) <= nbytes:
+            assert codec.encoded_size(n, dt) <= nbytes < codec.encoded_size(n + 1, dt)
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_default_parts_are_half_to_one_mib_on_the_wire(name: str) -> None:
+    """Parts are sized by encoded bytes: int8 parts hold ~4x the values of `none` parts."""
+    codec, f32 = get_codec(name), np.dtype(np.float32)
+    runs = [Run("float32", 10_000_000, (0,))]
+    parts = plan_parts(runs, [1.0, 2.0, 1.0], DEFAULT_PART_BYTES, codec)
+    wire = [codec.encoded_size(p.numel, f32) for p in parts]
+    assert max(wire) <= 1 << 20
+    last_of_span = {max(i for i, p in enumerate(parts) if p.owner == o) for o in range(3)}
+    assert all(w >= 1 << 19 for i, w in enumerate(wire) if i not in last_of_span)
+    assert max(wire) > (1 << 20) - 260  # not merely under the cap: as full as it fits
+    assert sum(p.numel for p in parts) == 10_000_000

@@ -246,9 +246,11 @@ def test_flatview_write_read_round_trip(
     for p in parts:
         view.write(p, want[p.run][p.start:p.stop])
     for p in parts:
-        got = view.read(p)
+        got, pieces = view.read(p), view.views(p)
         assert got.dtype == np.dtype(view.runs[p.run].dtype)
         np.testing.assert_array_equal(got, want[p.run][p.start:p.stop])
+        np.testing.assert_array_equal(np.concatenate(pieces), got)  # views tile the part
+        assert (view.region(p) is None) == (len(pieces) > 1)
     # the tensors in the buffer hold the run's values, in order
     for ri, r in enumerate(view.runs):
         flat = np.concatenate(
@@ -278,13 +280,18 @@ def test_flatview_part_across_tensor_boundaries() -> None:
     np.testing.assert_array_equal(view.read(part), np.arange(8) + 1)
 
 
-def test_flatview_read_within_one_tensor_is_a_view() -> None:
-    specs, size = _layout([("float64", (4,)), ("float64", (4,))])
+def test_flatview_read_within_one_slice_of_memory_is_a_view() -> None:
+    specs, size = _layout([("float64", (8,)), ("float64", (8,)), ("float32", (3,))])
     raw = bytearray(size)
     view = FlatView(memoryview(raw), specs)
-    inside = view.read(Part(0, 0, 1, 3, 0))
-    inside[:] = 7.0
-    assert np.frombuffer(raw, dtype=np.float64, count=4).tolist() == [0, 7, 7, 0]
+    view.read(Part(0, 0, 1, 3, 0))[:] = 7.0
+    view.read(Part(1, 0, 7, 9, 0))[:] = 8.0  # t0 and t1 lie back to back: still one slice
+    assert np.frombuffer(raw, dtype=np.float64, count=10).tolist() == [0, 7, 7, 0, 0, 0, 0,
+                                                                       8, 8, 0]
+    gapped, _ = _layout([("float32", (3,)), ("float32", (3,))])  # 12 bytes, then padding
+    view = FlatView(memoryview(bytearray(size)), gapped)
+    assert [v.size for v in view.views(Part(0, 0, 1, 5, 0))] == [2, 2]
+    assert view.region(Part(0, 0, 1, 5, 0)) is None
 
 
 def test_flatview_mixed_dtypes_keep_their_bytes() -> None:
@@ -357,10 +364,6 @@ def test_validate_accepts_aligned_layouts(schema: list[tuple[str, tuple[int, ...
 # --- schema_hash -----------------------------------------------------------------------------
 
 
-def _specs(schema: list[tuple[str, tuple[int, ...]]]) -> list[TensorSpec]:
-    return _layout(schema)[0]
-
-
 def test_schema_hash_ignores_offsets() -> None:
     a = [TensorSpec("float32", (2, 3), 0), TensorSpec("float16", (4,), 64)]
     b = [TensorSpec("float32", (2, 3), 128), TensorSpec("float16", (4,), 512)]
@@ -382,7 +385,7 @@ def test_schema_hash_ignores_offsets() -> None:
 )
 def test_schema_hash_differs(other: list[tuple[str, tuple[int, ...]]]) -> None:
     base = [("float32", (2, 3)), ("float16", (4,))]
-    assert schema_hash(_specs(base)) != schema_hash(_specs(other))
+    assert schema_hash(_layout(base)[0]) != schema_hash(_layout(other)[0])
 
 
 @settings(max_examples=200, deadline=None)
@@ -391,5 +394,5 @@ def test_schema_hash_equal_iff_schema_equal(
     a: list[tuple[str, tuple[int, ...]]], b: list[tuple[str, tuple[int, ...]]]
 ) -> None:
     assume(a != b)
-    assert schema_hash(_specs(a)) != schema_hash(_specs(b))
-    assert schema_hash(_specs(a)) == schema_hash(_specs(list(a)))
+    assert schema_hash(_layout(a)[0]) != schema_hash(_layout(b)[0])
+    assert schema_hash(_layout(a)[0]) == schema_hash(_layout(list(a))[0])

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from moshpitd.allreduce.layout import Part
-from moshpitd.allreduce.reducer import PartReducer, ReductionError
+from moshpitd.allreduce.reducer import ArrayPool, PartReducer, ReductionError
 
 DTYPES = [np.float16, np.float32, np.float64]
 
@@ -200,4 +200,59 @@ def test_non_finite_contribution_rejected(bad: float) -> None:
     red = _reducer(3, 2)
     with pytest.raises(ReductionError, match="non-finite"):
         red.add(0, 0, 1.0, np.array([1, bad, 3], dtype=np.float32))
+    assert red.contributors(0) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(c=contributions(), data=st.data())
+def test_pieces_and_result_into_match_whole_arrays(
+    c: tuple[type, list[float], list[np.ndarray], list[int]], data: st.DataObject,
+) -> None:
+    """A part in pieces (tensors with a gap between them) averages like one array, and
+    result_into writes what result returns, into pieces of another layout."""
+    dtype, weights, xs, order = c
+    n, numel = len(xs), xs[0].size
+    cuts = sorted(data.draw(st.lists(st.integers(0, numel), max_size=3)))
+    how = data.draw(st.sampled_from(["mean", "trimmed_mean"]))
+    whole, pieced = (PartReducer([Part(0, 0, 0, numel, 0)], {0: np.dtype(dtype)}, n, how)
+                     for _ in range(2))
+    for sender in order:
+        whole.add(0, sender, weights[sender], xs[sender])
+        pieced.add(0, sender, weights[sender], np.split(xs[sender], cuts))
+    want = whole.result(0)
+    out = np.full(numel, np.nan, dtype=dtype)
+    pieced.result_into(0, np.split(out, sorted(data.draw(st.lists(st.integers(0, numel))))))
+    np.testing.assert_array_equal(out, want)
+    if how == "mean":
+        with pytest.raises(ReductionError, match="written out"):
+            pieced.result(0)
+
+
+def test_accumulators_are_reused_not_reallocated() -> None:
+    pool = ArrayPool(1 << 20)
+    parts = [Part(i, 0, 4 * i, 4 * i + 4, 0) for i in range(3)]
+    red = PartReducer(parts, {0: np.dtype(np.float32)}, 1, pool=pool)
+    red.add(0, 0, 2.0, np.arange(4, dtype=np.float32))
+    first = red._slots[0].acc
+    out = np.empty(4, dtype=np.float32)
+    red.result_into(0, [out])
+    np.testing.assert_array_equal(out, [0, 1, 2, 3])
+    assert pool.held == 16
+    red.add(1, 0, 1.0, np.ones(4, dtype=np.float32))
+    assert np.shares_memory(red._slots[1].acc, first) and pool.held == 0
+    red.add(2, 0, 1.0, np.ones(4, dtype=np.float32))  # the pool is empty: a new one
+    assert not np.shares_memory(red._slots[2].acc, first)
+    np.testing.assert_array_equal(red.result(1), [1, 1, 1, 1])  # kept: nothing goes back
+    assert pool.held == 0
+    small = ArrayPool(8)  # holds at most 8 bytes: a 16-byte accumulator is dropped
+    small.give(np.empty(4, dtype=np.float32))
+    assert small.held == 0
+
+
+def test_pieces_that_do_not_fill_the_part_rejected() -> None:
+    red = _reducer(4, 2)
+    with pytest.raises(ReductionError):
+        red.add(0, 0, 1.0, [np.zeros(2, dtype=np.float32), np.zeros(1, dtype=np.float32)])
+    with pytest.raises(ReductionError):
+        red.add(0, 0, 1.0, [np.zeros(2, dtype=np.float32), np.zeros((1, 2), dtype=np.float32)])
     assert red.contributors(0) == 0
