@@ -1,10 +1,13 @@
-"""The Moshpit grid with 16 real daemons: exact means, convergence, peers dying mid-matchmaking."""
+"""The Moshpit grid with real daemons: exact means, convergence, peers dying mid-matchmaking,
+a peer catching up to the swarm's round after sitting out."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +30,31 @@ def swarm16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
 
 def mse(values: list[torch.Tensor], mean: torch.Tensor) -> float:
     return float(np.mean([((v.double() - mean) ** 2).mean().item() for v in values]))
+
+
+def check_round(result: torch.Tensor, info: moshpit.RoundInfo | None, own: str,
+                inputs: dict[str, torch.Tensor], weights: dict[str, float]) -> set[str]:
+    """Every element is the weighted mean of the members the round reports for it (its own
+    value where it reports none); returns the peer ids of the reported group."""
+    assert info is not None
+    if info.group_size == 1:  # alone: it kept its value (spans and members are not about it)
+        torch.testing.assert_close(result, inputs[own], rtol=0, atol=0)
+        return {own}
+    covered = 0
+    for start, stop, mask in info.spans:
+        covered += stop - start
+        peers = [p for b, p in enumerate(info.members) if mask >> b & 1] or [own]
+        want = sum(weights[p] * inputs[p][start:stop].double() for p in peers)
+        torch.testing.assert_close(result[start:stop].double(),
+                                   want / sum(weights[p] for p in peers), rtol=1e-6, atol=1e-6)
+    assert covered == result.numel()
+    return set(info.members)
+
+
+def last(client: moshpit.Client) -> moshpit.RoundInfo:
+    info = client.last_round
+    assert info is not None
+    return info
 
 
 def test_full_grid_exact_weighted_mean_after_two_rounds(swarm16: LocalSwarm) -> None:
@@ -77,43 +105,108 @@ def test_random_coordinates_converge_within_eight_rounds(swarm16: LocalSwarm) ->
 
 
 def test_two_daemons_killed_during_matchmaking(swarm_factory: Callable[..., LocalSwarm]) -> None:
+    """Round 1 averages along rows. Fourteen peers start it together, victims 5 and 10 among
+    them; 7 and 11 (a line-mate of each victim) come later, so rows 1 and 2 are still
+    matchmaking, victims included, when the victims are SIGKILLed. Then 7 and 11 call. Every
+    survivor finishes within its deadline, without waiting out a matchmaking attempt (5 s)
+    for the dead; its result is the weighted mean of the group it reports, and the next round
+    (columns) goes on without the victims."""
     swarm = swarm_factory(N)
+    ids = [d.info["peer_id"] for d in swarm.daemons]
     clients = [moshpit.Client(s) for s in swarm.sockets]
-    x = [torch.full((100,), float(i)) for i in range(N)]
+    values = {p: torch.randn(300, generator=torch.Generator().manual_seed(i))
+              for i, p in enumerate(ids)}
+    weights = {p: 1.0 + i for i, p in enumerate(ids)}
+    timeout = 10.0
 
-    def round_for(ids: list[int], timeout: float = 30) -> list[object]:
-        return run_parallel([
-            lambda i=i: clients[i].average([x[i]], key="kill", grid=(4, 2), timeout=timeout,
-                                           initial_coords=(i // 4, i % 4))
-            for i in ids
-        ])
+    def call(i: int) -> tuple[list[torch.Tensor], float]:
+        out = clients[i].average([values[ids[i]]], key="kill", grid=(4, 2), timeout=timeout,
+                                 weight=weights[ids[i]], initial_coords=(i // 4, i % 4))
+        return out, time.monotonic()
 
-    assert all(not isinstance(r, Exception) for r in round_for(list(range(N))))
-    victims = [5, 10]  # on different lines of both axes
-    # the victims start the next round first and wait in matchmaking for their line-mates
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(2) as pool:
-        pending = [pool.submit(clients[v].average, [x[v]], key="kill", grid=(4, 2), timeout=30,
-                               initial_coords=(v // 4, v % 4)) for v in victims]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(
-            _matchmaking(swarm.sockets[v]) for v in victims
-        ):
+    def check(results: dict[int, Any], round_: int, started: float,
+              dead: frozenset[str] = frozenset()) -> list[int]:
+        """The sizes of the groups the peers report, checking each peer's result."""
+        sizes = []
+        for i, r in results.items():
+            assert not isinstance(r, BaseException), (i, r)
+            assert r[1] - started < timeout
+            info = clients[i].last_round
+            assert info is not None and info.round == round_, info
+            group = check_round(r[0][0], info, ids[i], values, weights)
+            assert info.fully_averaged and not group & dead, (i, info)
+            sizes.append(len(group))
+        for i, r in results.items():
+            values[ids[i]] = r[0][0]
+        return sorted(sizes)
+
+    victims, late = [5, 10], [7, 11]
+    started = time.monotonic()
+    check(dict(enumerate(run_parallel([lambda i=i: call(i) for i in range(N)]))), 0, started)
+    first = [i for i in range(N) if i not in late]
+    with ThreadPoolExecutor(N) as pool:
+        started = time.monotonic()
+        pending = {i: pool.submit(call, i) for i in first}
+        while not all(_matchmaking(swarm.sockets[i]) for i in [4, 5, 6, 8, 9, 10]):
+            assert time.monotonic() < started + 10, "rows 1 and 2 never started matchmaking"
             time.sleep(0.01)
+        time.sleep(0.3)  # they declared and wait for 7 and 11
+        assert not any(pending[i].done() for i in [4, 5, 6, 8, 9, 10])
         for v in victims:
             swarm.daemons[v].kill()
-        for f in pending:
-            assert isinstance(f.exception(30), moshpit.DaemonUnavailable)
-    survivors = [i for i in range(N) if i not in victims]
-    for _ in range(2):  # this round and the next go on without them, within the deadline
-        started = time.monotonic()
-        results = round_for(survivors, timeout=10)
-        assert all(not isinstance(r, Exception) for r in results), results
-        assert time.monotonic() - started < 10
-        sizes = sorted(clients[i].last_round.group_size for i in survivors)  # type: ignore[union-attr]
-        assert sizes.count(4) >= 6 and max(sizes) == 4 and min(sizes) >= 3, sizes
+        pending.update({i: pool.submit(call, i) for i in late})
+        for v in victims:
+            assert isinstance(pending.pop(v).exception(30), moshpit.DaemonUnavailable)
+        outcomes = {i: f.result(30) for i, f in pending.items()}
+    dead = frozenset(ids[v] for v in victims)
+    assert check(outcomes, 1, started, dead) == [3] * 6 + [4] * 8  # rows 1, 2 lost a peer
+    assert max(r[1] for r in outcomes.values()) - started < 5.0
+    survivors = sorted(outcomes)
+    started = time.monotonic()
+    results = dict(zip(survivors, run_parallel([lambda i=i: call(i) for i in survivors]),
+                       strict=True))
+    assert check(results, 2, started, dead) == [3] * 6 + [4] * 8  # so did columns 1, 2
+    assert max(r[1] for r in results.values()) - started < 5.0
     for i in survivors:
         assert swarm.daemons[i].alive()
+
+
+def test_peer_that_sat_out_rounds_catches_up(swarm_factory: Callable[..., LocalSwarm]) -> None:
+    """Four daemons on a 2x2 grid. Peer 3 averages in round 0, then sits out rounds 1 and 2
+    (its line-mates wait for it until their 2 s deadline and keep their values), and comes
+    back: its next round is the swarm's round 3, not its own 1, and it averages there."""
+    swarm = swarm_factory(4)
+    ids = [d.info["peer_id"] for d in swarm.daemons]
+    clients = [moshpit.Client(s) for s in swarm.sockets]
+    values = {p: torch.randn(100, generator=torch.Generator().manual_seed(i))
+              for i, p in enumerate(ids)}
+    weights = {p: 1.0 + i for i, p in enumerate(ids)}
+
+    def round_for(peers: list[int], round_: int, timeout: float) -> None:
+        results = run_parallel([
+            lambda i=i: clients[i].average([values[ids[i]]], key="late", grid=(2, 2),
+                                           weight=weights[ids[i]], timeout=timeout,
+                                           initial_coords=(i // 2, i % 2))
+            for i in peers
+        ])
+        for i, r in zip(peers, results, strict=True):
+            assert not isinstance(r, BaseException), (i, r)
+            info = clients[i].last_round
+            assert info is not None and info.round == round_, (i, info)
+            check_round(r[0], info, ids[i], values, weights)
+        for i, r in zip(peers, results, strict=True):
+            values[ids[i]] = r[0]
+
+    def run_round(i: int) -> int:
+        return int(clients[i].status()["status"]["runs"]["late"]["round"])
+
+    round_for([0, 1, 2, 3], 0, timeout=10)
+    for r in (1, 2):
+        round_for([0, 1, 2], r, timeout=2)
+    assert [run_round(i) for i in range(4)] == [3, 3, 3, 1]
+    round_for([0, 1, 2, 3], 3, timeout=10)
+    assert last(clients[3]).group_size == 2 and set(last(clients[3]).members) == {ids[2], ids[3]}
+    assert [run_round(i) for i in range(4)] == [4, 4, 4, 4]
 
 
 def _matchmaking(socket_path: str) -> bool:

@@ -1,0 +1,385 @@
+"""Matchmaking (DESIGN §4). Protocol tests drive Matchmakers of MoshpitNodes running in this
+process, in one event loop (every Join still travels over gRPC); fault tests run real daemons:
+a leader killed under its followers, daemons whose clocks disagree by a minute."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+import moshpit
+from moshpitd.allreduce.group import Group
+from moshpitd.launcher import DaemonProcess, LocalSwarm
+from moshpitd.matchmaking.declaration import Candidate, Declaration
+from moshpitd.matchmaking.errors import GroupNotFound
+from moshpitd.matchmaking.leading import PROTOCOL_VERSION
+from moshpitd.matchmaking.matchmaker import Matchmaker
+from moshpitd.matchmaking.request import MatchRequest, Self
+from moshpitd.node import MoshpitNode
+from moshpitd.node_config import NodeConfig
+from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.grpc_server import ChannelPool
+from tests.integration.helpers import assert_close_to_mean, run_parallel
+from tests.integration.test_grid import check_round, last
+
+T = TypeVar("T")
+SCHEMA = b"\x5a" * 32
+
+
+# --- in-process nodes ----------------------------------------------------------------------
+def run_nodes(n: int, scenario: Callable[[list[MoshpitNode]], Awaitable[T]]) -> T:
+    async def main() -> T:
+        first = MoshpitNode(NodeConfig())
+        nodes = [first]
+        try:
+            await first.start()
+            boot = (("127.0.0.1", first.dht_addr[1]),)
+            nodes += [MoshpitNode(NodeConfig(bootstrap=boot)) for _ in range(n - 1)]
+            await asyncio.gather(*(node.start() for node in nodes[1:]))
+            async with asyncio.timeout(40):
+                return await scenario(nodes)
+        finally:
+            for node in nodes:
+                await node.stop()
+    return asyncio.run(main())
+
+
+def matchmaker(node: MoshpitNode, key: str = "k", *, weight: float = 1.0, target: int = 4,
+               min_size: int = 2, attempt: float = 10.0, settle: float = 10.0) -> Matchmaker:
+    """A peer looking for a group under key, reachable through its node's Join service.
+    The default settle time is long: such a leader assembles only at its target size or at
+    its deadline."""
+    request = MatchRequest(key, SCHEMA, weight, target, min_size, attempt_seconds=attempt,
+                           settle_seconds=settle)
+    mm = Matchmaker(Self(node.peer_id, node.grpc_endpoint, node.data_endpoint), node.dht,
+                    node.pool, request, probe=node._probe)
+    node.matchmakers[key] = mm
+    return mm
+
+
+async def search(node: MoshpitNode, mm: Matchmaker, timeout: float) -> Group:
+    try:
+        return await mm.find_group(timeout)
+    finally:
+        node.matchmakers.pop(mm.req.key, None)
+
+
+async def search_all(nodes: list[MoshpitNode], timeout: float, **kw: Any
+                     ) -> tuple[list[Any], float]:
+    """Every node looks for a group at once: each one's group or error, and the seconds."""
+    mms = [matchmaker(node, **kw) for node in nodes]
+    started = time.monotonic()
+    out = await asyncio.gather(*(search(n, m, timeout) for n, m in zip(nodes, mms, strict=True)),
+                               return_exceptions=True)
+    return list(out), time.monotonic() - started
+
+
+def one_group(outcomes: list[Any], size: int) -> None:
+    assert all(isinstance(o, Group) for o in outcomes), outcomes
+    assert len({o.group_id for o in outcomes}) == 1 and len(outcomes[0].members) == size
+
+
+def offset_versions(node: MoshpitNode, seconds: float) -> None:
+    """This node's DHT versions come from a clock `seconds` off (they are wall-clock ns)."""
+    real = node.dht.next_version
+    node.dht.next_version = lambda: real() + int(seconds * 1e9)  # type: ignore[method-assign]
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def pid(i: int) -> bytes:
+    return bytes([i]) * 20
+
+
+def join_request(peer_id: bytes, key: str = "k", **fields: Any) -> pb.JoinRequest:
+    base: dict[str, Any] = {
+        "group_key": key, "peer_id": peer_id, "endpoint": "127.0.0.1:1",
+        "data_endpoint": "127.0.0.1:2", "schema_hash": SCHEMA, "weight": 1.0,
+        "bandwidth": 1.0, "protocol_version": PROTOCOL_VERSION, "codec": "none",
+    }
+    return pb.JoinRequest(**{**base, **fields})
+
+
+# --- the Join stream -----------------------------------------------------------------------
+def test_join_answers_every_code() -> None:
+    """A leader driven by hand (it never polls, so nothing changes under the test), asked
+    over gRPC: every JoinCode the protocol defines, with its suggested leader where due."""
+    async def scenario(nodes: list[MoshpitNode]) -> None:
+        (node,) = nodes
+        pool = ChannelPool()
+
+        async def answer(request: pb.JoinRequest) -> pb.JoinResponse:
+            call = pool.join(node.grpc_endpoint, request, timeout=5)
+            try:
+                return await call.read()
+            finally:
+                call.cancel()
+
+        async def accepted(request: pb.JoinRequest) -> Any:
+            call = pool.join(node.grpc_endpoint, request, timeout=10)
+            assert (await call.read()).code == pb.ACCEPTED
+            return call
+
+        try:
+            none_yet = await answer(join_request(pid(1)))
+            assert none_yet.code == pb.NOT_LOOKING and "'k'" in none_yet.message
+            mm = matchmaker(node, target=3, weight=2.0)
+            mm.accepting = True  # as between its declaration and its first poll
+            # the daemon routes Join by key: under a key it does not match for, nobody looks
+            assert (await answer(join_request(pid(1), key="other"))).code == pb.NOT_LOOKING
+            # so WRONG_KEY is the Matchmaker's own guard, reachable only by calling it
+            wrong = [r async for r in mm.handle_join(join_request(pid(1), key="other"))]
+            assert [r.code for r in wrong] == [pb.WRONG_KEY] and "'k'" in wrong[0].message
+            refusals: list[tuple[dict[str, Any], int]] = [
+                ({"protocol_version": PROTOCOL_VERSION + 1}, pb.PROTOCOL_MISMATCH),
+                ({"peer_id": b"short"}, pb.BAD_REQUEST),
+                ({"endpoint": ""}, pb.BAD_REQUEST),
+                ({"data_endpoint": ""}, pb.BAD_REQUEST),
+                ({"weight": math.nan}, pb.BAD_REQUEST),
+                ({"weight": -1.0}, pb.BAD_REQUEST),
+                ({"bandwidth": math.inf}, pb.BAD_REQUEST),
+                ({"schema_hash": b"\x00" * 32}, pb.BAD_SCHEMA),
+                ({"codec": "fp16"}, pb.BAD_SCHEMA),
+                ({"peer_id": node.peer_id}, pb.DUPLICATE_PEER),  # the leader itself
+            ]
+            for fields, code in refusals:
+                got = await answer(join_request(**{"peer_id": pid(1), **fields}))
+                assert got.code == code, (fields, pb.JoinCode.Name(got.code), got.message)
+            assert not mm.followers  # nothing refused was taken in
+            # two peers asking each other at once: the lower peer id leads, on both sides
+            low, high = b"\x00" * 20, b"\xff" * 20
+            mm._asking = low
+            crossed = await answer(join_request(low))
+            assert crossed.code == pb.NOT_LOOKING and "lower peer id" in crossed.message
+            mm._asking = high
+            first = await accepted(join_request(high, weight=3.0))
+            mm._asking = None
+            assert (await answer(join_request(high))).code == pb.DUPLICATE_PEER
+            second = await accepted(join_request(pid(2), weight=4.0))
+            full = await answer(join_request(pid(3)))
+            assert full.code == pb.GROUP_FULL and "3 members" in full.message
+            # we join another leader: our followers are released toward it
+            boss = Candidate(pid(9), Declaration("127.0.0.1:9", SCHEMA), time.monotonic() + 5, 1)
+            mm.leader, mm.accepting = boss, False
+            mm._disband(boss)
+            got = [await first.read(), await second.read(), await answer(join_request(pid(3)))]
+            assert [(pb.JoinCode.Name(r.code), r.suggested_leader, r.suggested_leader_id)
+                    for r in got] == [(code, "127.0.0.1:9", pid(9)) for code in (
+                        "DISBANDED", "DISBANDED", "NOT_A_LEADER")]  # followers, newcomer
+            mm.leader = None  # that leader let us go: between attempts, not accepting
+            assert (await answer(join_request(pid(3)))).code == pb.NOT_LOOKING
+            # the next attempt fills up and assembles: each follower gets the same group
+            mm.accepting = True
+            first = await accepted(join_request(high, weight=3.0))
+            second = await accepted(join_request(pid(2), weight=4.0))
+            group = mm._assemble()
+            for call in (first, second):
+                done = await call.read()
+                assert done.code == pb.GROUP_ASSEMBLED
+                assert Group.from_proto(done.group_info) == group
+            assert [(m.peer_id, m.weight) for m in group.members] == [
+                (node.peer_id, 2.0), (high, 3.0), (pid(2), 4.0)]
+            assert group.key == "k" and group.schema_hash == SCHEMA
+            assert (await answer(join_request(pid(3)))).code == pb.NOT_LOOKING
+        finally:
+            await pool.close()
+
+    run_nodes(1, scenario)
+
+
+def test_leader_joining_an_earlier_leader_brings_its_followers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A and B form a group; then C and D declare with clocks 30 s behind, so they rank
+    first. A joins C and redirects B there: all four end in C's group, and B got there by
+    A's suggestion (it asked C because A sent it, not by finding C itself later)."""
+    caplog.set_level(logging.DEBUG, logger="moshpitd.matchmaking.matchmaker")
+
+    async def scenario(nodes: list[MoshpitNode]) -> tuple[list[Group], list[bytes]]:
+        mms = [matchmaker(node, target=4) for node in nodes]
+        a, b, c, d = nodes
+        tasks = [asyncio.create_task(search(a, mms[0], 10))]
+        await until(lambda: mms[0]._version != 0)
+        tasks.append(asyncio.create_task(search(b, mms[1], 10)))
+        await until(lambda: b.peer_id in mms[0].followers)
+        for late in (c, d):
+            offset_versions(late, -30)
+        tasks.append(asyncio.create_task(search(c, mms[2], 10)))
+        await until(lambda: mms[2]._version != 0)
+        tasks.append(asyncio.create_task(search(d, mms[3], 10)))
+        started = time.monotonic()
+        groups = await asyncio.gather(*tasks)
+        assert time.monotonic() - started < 5  # at the target size, long before any deadline
+        return list(groups), [node.peer_id for node in nodes]
+
+    groups, ids = run_nodes(4, scenario)
+    assert len({g.group_id for g in groups}) == 1
+    assert groups[0].members[0].peer_id == ids[2]  # C leads
+    assert {m.peer_id for m in groups[0].members} == set(ids)
+    a, b, c = (p.hex()[:6] for p in ids[:3])
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"{b}: join {a} -> Candidate" in lines, lines  # A answered: go to C
+    assert f"{b}: join {c} -> Group" in lines, lines
+
+
+def test_assembles_at_once_at_target_size() -> None:
+    groups, seconds = run_nodes(4, lambda nodes: search_all(nodes, 10, target=4))
+    one_group(groups, 4)
+    assert seconds < 3, seconds  # neither the 10 s deadline nor the 10 s settle time
+
+
+def test_assembles_at_deadline_with_min_size_and_not_below() -> None:
+    """Below the target, with nobody else coming: the group assembles at the leader's deadline
+    if it has min_size members; with fewer, every peer gives up at its deadline."""
+    groups, seconds = run_nodes(
+        3, lambda nodes: search_all(nodes, 1.5, target=8, min_size=3, attempt=1.5))
+    one_group(groups, 3)  # every follower too: it got the group before its own deadline
+    assert 1.2 <= seconds < 3.0, seconds  # at the deadline, less a little for the GroupInfo
+    outcomes, seconds = run_nodes(
+        2, lambda nodes: search_all(nodes, 1.0, target=8, min_size=3, attempt=1.0))
+    assert all(isinstance(o, GroupNotFound) for o in outcomes), outcomes
+    assert 0.9 <= seconds < 2.5, seconds
+
+
+def test_peers_declared_at_the_same_instant_all_form_groups() -> None:
+    """Nine peers declare with the very same version, so only peer ids order them, and start
+    in the same loop iteration: no wait cycle forms, everyone is in a group of 2..3 well before
+    the deadline, and every member agrees on its group."""
+    async def scenario(nodes: list[MoshpitNode]) -> tuple[list[Any], float]:
+        same = time.time_ns()
+        ids.extend(node.peer_id for node in nodes)
+        for node, pin in zip(nodes, pins, strict=True):
+            real = node.dht.next_version
+            node.dht.next_version = (  # type: ignore[method-assign]
+                lambda real=real, pin=pin: pin.pop() if pin else real())
+            pin.append(same)
+        return await search_all(nodes, 10, target=3, settle=0.5)
+
+    ids: list[bytes] = []
+    pins: list[list[int]] = [[] for _ in range(9)]
+    groups, seconds = run_nodes(9, scenario)
+    assert not any(pins)  # every declaration carried the same version
+    assert seconds < 5, seconds  # nobody waited for the 10 s deadline
+    by_id: dict[bytes, set[bytes]] = {}
+    for me, g in zip(ids, groups, strict=True):
+        assert isinstance(g, Group), g
+        members = {m.peer_id for m in g.members}
+        assert me in members
+        assert by_id.setdefault(g.group_id, members) == members
+        assert 2 <= len(members) <= 3
+    assert sum(len(m) for m in by_id.values()) == 9  # each peer in exactly one group
+
+
+# --- real daemons --------------------------------------------------------------------------
+def wait_for_log(daemon: DaemonProcess, text: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in daemon.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"{daemon.name} never logged {text!r}"
+        time.sleep(0.01)
+
+
+def test_followers_of_a_killed_leader_retry_and_average(
+        swarm_factory: Callable[..., LocalSwarm]) -> None:
+    """The leader has taken both followers and waits for a fourth member (its
+    min_group_size) when it is SIGKILLed: they regroup without it and average in time."""
+    swarm = swarm_factory(3, log_level="DEBUG")
+    ids = [d.info["peer_id"] for d in swarm.daemons]
+    clients = [moshpit.Client(s) for s in swarm.sockets]
+    inputs = {p: torch.randn(5000, generator=torch.Generator().manual_seed(i))
+              for i, p in enumerate(ids)}
+    weights = {p: 1.0 + 2 * i for i, p in enumerate(ids)}
+    leader = swarm.daemons[2]
+
+    def call(i: int, **kw: Any) -> list[torch.Tensor]:
+        return clients[i].average([inputs[ids[i]]], key="lead", weight=weights[ids[i]],
+                                  group_size=4, timeout=20, **kw)
+
+    with ThreadPoolExecutor(3) as pool:
+        doomed = pool.submit(call, 2, min_group_size=4)
+        wait_for_log(leader, f"{ids[2][:6]}: 0 candidates")  # declared first: it leads
+        started = time.monotonic()
+        calls = [pool.submit(call, i) for i in (0, 1)]
+        for i in (0, 1):
+            wait_for_log(swarm.daemons[i], f"{ids[i][:6]}: {ids[2][:6]} answers ACCEPTED")
+        leader.kill()
+        results = [c.result(30) for c in calls]
+        finished = time.monotonic()
+        assert isinstance(doomed.exception(10), moshpit.DaemonUnavailable)
+    for i in (0, 1):
+        assert f"join {ids[2][:8]} failed" in swarm.daemons[i].log_path.read_text()
+        group = check_round(results[i][0], clients[i].last_round, ids[i], inputs, weights)
+        assert group == set(ids[:2]) and last(clients[i]).fully_averaged
+    assert finished - started < 5.0  # within the followers' first attempt (5 s)
+
+
+SKEWED_CLOCK = """
+import os, time
+_offset_ns = int(float(os.environ.get("MOSHPIT_TEST_CLOCK_OFFSET", "0")) * 1e9)
+if _offset_ns:
+    _time_ns = time.time_ns
+    time.time_ns = lambda: _time_ns() + _offset_ns
+"""
+
+
+def test_daemons_with_skewed_clocks_match(swarm_factory: Callable[..., LocalSwarm],
+                                          tmp_path: Path) -> None:
+    """DHT record versions are the writers' wall-clock ns. Four daemons whose version clocks
+    are -30 s, 0, +15 s and +30 s off (a test hook: a sitecustomize shifts time.time_ns, which
+    moshpitd reads only for versions), released by one barrier, still form one group and
+    average exactly, with and without the grid; the one whose clock is behind leads, since
+    it looks earliest."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SKEWED_CLOCK)
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    offsets = [0.0, -30.0, 15.0, 30.0]
+    envs = {i: {"PYTHONPATH": path, "MOSHPIT_TEST_CLOCK_OFFSET": str(o)}
+            for i, o in enumerate(offsets)}
+    shown = subprocess.run([sys.executable, "-c", "import time; print(time.time_ns())"],
+                           env={**os.environ, **envs[1]}, capture_output=True, text=True,
+                           check=True)
+    assert abs(int(shown.stdout) / 1e9 - time.time() + 30) < 5  # the hook takes effect
+    swarm = swarm_factory(4, env_by_index=envs)
+    ids = [d.info["peer_id"] for d in swarm.daemons]
+    clients = [moshpit.Client(s) for s in swarm.sockets]
+    inputs = {p: torch.randn(3000, generator=torch.Generator().manual_seed(i))
+              for i, p in enumerate(ids)}
+    weights = {p: 1.0 + i for i, p in enumerate(ids)}
+    gate = threading.Barrier(4)  # they declare at the same moment, by different clocks
+
+    def call(i: int) -> list[torch.Tensor]:
+        gate.wait()
+        return clients[i].average([inputs[ids[i]]], key="skew", weight=weights[ids[i]],
+                                  group_size=4, timeout=20)
+
+    results = run_parallel([lambda i=i: call(i) for i in range(4)])
+    for i, r in enumerate(results):
+        assert not isinstance(r, BaseException), (i, r)
+        assert check_round(r[0], clients[i].last_round, ids[i], inputs, weights) == set(ids)
+        assert last(clients[i]).members[0] == ids[1]
+    grid = run_parallel([
+        lambda i=i: clients[i].average([inputs[ids[i]]], key="skewgrid", grid=(2, 2), rounds=2,
+                                       weight=weights[ids[i]], initial_coords=(i // 2, i % 2),
+                                       timeout=20)
+        for i in range(4)
+    ])
+    for i, r in enumerate(grid):
+        assert not isinstance(r, BaseException), (i, r)
+        assert last(clients[i]).group_sizes == (2, 2)
+        assert_close_to_mean(r[0], [inputs[p] for p in ids], [weights[p] for p in ids])
