@@ -2,6 +2,9 @@
 
 Both systems average one float32 tensor over P local processes; the moshpit time is what a
 trainer waits for in `Client.average`, so it includes the IPC hand-off through the daemon.
+With --passes K the two systems take turns K times and the ratio is the median of the passes'
+ratios: on a shared machine the background load drifts, and one system measured a minute after
+the other sees a different machine.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from bench.cli import exit_on_sigterm, positive, print_columns
 from bench.procs import BenchError
-from bench.runners import Samples, run_gloo, run_moshpit
+from bench.runners import Samples, merge, run_gloo, run_moshpit
 
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 CODECS = ("none", "fp16", "bf16", "int8")
@@ -45,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "plain tensors, copied into and out of the shared buffer per call")
     p.add_argument("--repeat", type=positive, default=5,
                    help="timed repeats after one warm-up (default 5)")
+    p.add_argument("--passes", type=positive, default=1,
+                   help="moshpit and gloo take turns this many times, each with a warm-up and "
+                        "--repeat repeats; ratio = median of the passes' ratios (default 1)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="per-round timeout in seconds (default 120)")
     p.add_argument("--min-group-size", type=positive, metavar="N",
@@ -81,7 +87,8 @@ def fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else "-" if value is None else str(value)
 
 
-def print_table(rows: list[dict[str, Any]], ratio: float | None) -> None:
+def print_table(rows: list[dict[str, Any]], ratio: float | None,
+                ratios: list[float]) -> None:
     cols = [("system", "system"), ("peers", "peers"), ("elems", "elems"),
             ("median_s", "median s"), ("min_s", "min s"), ("max_s", "max s"),
             ("daemon_median_s", "daemon s"), ("matchmaking_median_s", "match s"),
@@ -89,7 +96,10 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None) -> None:
             ("partial_rounds", "split")]
     cells = [[title for _, title in cols]] + [[fmt(r.get(k)) for k, _ in cols] for r in rows]
     print_columns(cells)
-    if ratio is not None:
+    if ratio is not None and len(ratios) > 1:
+        print(f"\nratio moshpit median / gloo median: {ratio:.2f}x (median of {len(ratios)} "
+              f"passes: {', '.join(f'{r:.2f}' for r in ratios)})")
+    elif ratio is not None:
         print(f"\nratio moshpit median / gloo median: {ratio:.2f}x")
     for r in rows:
         if r.get("partial_rounds"):
@@ -116,33 +126,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_group_size > args.peers:
         parser.error("--min-group-size cannot exceed --peers")
     exit_on_sigterm()
-    rows: list[dict[str, Any]] = []
+    passes: list[dict[str, Samples]] = []
     try:
-        if not args.skip_moshpit:
-            rows.append(summarize(run_moshpit(args.peers, args.elems, args.repeat,
-                                              args.timeout, args.workdir,
-                                              args.daemon_log_level, args.min_group_size,
-                                              args.codec, args.ipc, args.aggregation),
-                                  args.peers, args.elems))
-        if not args.skip_gloo:
-            rows.append(summarize(run_gloo(args.peers, args.elems, args.repeat, args.timeout),
-                                  args.peers, args.elems))
+        for _ in range(args.passes):
+            done: dict[str, Samples] = {}
+            if not args.skip_moshpit:
+                done["moshpit"] = run_moshpit(args.peers, args.elems, args.repeat,
+                                              args.timeout, args.workdir, args.daemon_log_level,
+                                              args.min_group_size, args.codec, args.ipc,
+                                              args.aggregation)
+            if not args.skip_gloo:
+                done["gloo"] = run_gloo(args.peers, args.elems, args.repeat, args.timeout)
+            passes.append(done)
     except BenchError as exc:
         print(f"bench.allreduce: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("bench.allreduce: interrupted; children stopped", file=sys.stderr)
         return 130
-    medians = {r["system"]: r["median_s"] for r in rows}
-    ratio = (medians["moshpit"] / medians["gloo"]
-             if {"moshpit", "gloo"} <= medians.keys() and medians["gloo"] > 0 else None)
+    rows = [summarize(merge([p[system] for p in passes]), args.peers, args.elems)
+            for system in passes[0]]
+    ratios = [statistics.median(p["moshpit"].seconds) / statistics.median(p["gloo"].seconds)
+              for p in passes if {"moshpit", "gloo"} <= p.keys()]
+    ratio = statistics.median(ratios) if ratios else None
     if args.json:
         print(json.dumps({"peers": args.peers, "elems": args.elems, "codec": args.codec,
                           "aggregation": args.aggregation,
                           "ipc": args.ipc, "min_group_size": args.min_group_size,
-                          "repeat": args.repeat, "rows": rows, "ratio": ratio}, indent=2))
+                          "repeat": args.repeat, "passes": args.passes, "rows": rows,
+                          "ratio": ratio, "pass_ratios": ratios}, indent=2))
     else:
-        print_table(rows, ratio)
+        print_table(rows, ratio, ratios)
     return 0
 
 

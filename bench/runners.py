@@ -27,6 +27,18 @@ class Samples:
     max_error: float = 0.0
 
 
+def merge(runs: list[Samples]) -> Samples:
+    """One system's samples from several passes, as if from one run."""
+    out = Samples(runs[0].system)
+    for s in runs:
+        for name in ("seconds", "daemon_seconds", "matchmaking_seconds", "overhead_seconds",
+                     "reduce_seconds"):
+            getattr(out, name).extend(getattr(s, name))
+        out.partial_rounds += s.partial_rounds
+        out.max_error = max(out.max_error, s.max_error)
+    return out
+
+
 def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
