@@ -27,6 +27,7 @@ DEFAULT_PART_BYTES = 1 << 20
 
 _ZEROS: dict[np.dtype, np.ndarray] = {}
 _CHUNK = 1 << 18
+_F16_SCRATCH: np.ndarray | None = None
 
 
 def all_finite(values: np.ndarray) -> bool:
@@ -35,6 +36,8 @@ def all_finite(values: np.ndarray) -> bool:
     (np.isfinite allocates a mask the size of the input; max and min take two passes.)"""
     if values.size == 0:
         return True
+    if values.dtype == np.float16 and values.ndim == 1:
+        return _f16_finite(values)
     if values.dtype not in (np.float32, np.float64) or values.ndim != 1:
         return math.isfinite(float(values.max())) and math.isfinite(float(values.min()))
     zeros = _ZEROS.get(values.dtype)
@@ -45,6 +48,20 @@ def all_finite(values: np.ndarray) -> bool:
             chunk = values[start:start + _CHUNK]
             if math.isnan(float(np.dot(chunk, zeros[:chunk.size]))):
                 return False
+    return True
+
+
+def _f16_finite(values: np.ndarray) -> bool:
+    """float16 NaN and Inf have all exponent bits set: |bits| >= 0x7C00. Integer max runs in
+    SIMD; a float16 max or min converts element by element (~60x slower)."""
+    global _F16_SCRATCH
+    if _F16_SCRATCH is None:
+        _F16_SCRATCH = np.empty(_CHUNK, dtype=np.uint16)
+    scratch, bits = _F16_SCRATCH, values.view(np.uint16)
+    for start in range(0, bits.size, _CHUNK):
+        chunk = bits[start:start + _CHUNK]
+        if np.bitwise_and(chunk, 0x7FFF, out=scratch[:chunk.size]).max() >= 0x7C00:
+            return False
     return True
 
 

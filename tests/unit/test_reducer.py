@@ -195,12 +195,19 @@ def test_exclusion_before_any_contribution_leaves_no_average() -> None:
         red.result(0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_contribution_rejected(bad: float) -> None:
-    red = _reducer(3, 2)
+def test_non_finite_contribution_rejected(bad: float, dtype: type) -> None:
+    red = _reducer(3, 2, dtype)
     with pytest.raises(ReductionError, match="non-finite"):
-        red.add(0, 0, 1.0, np.array([1, bad, 3], dtype=np.float32))
+        red.add(0, 0, 1.0, np.array([1, bad, 3], dtype=dtype))
     assert red.contributors(0) == 0
+    big = np.full(300_000, np.finfo(dtype).max, dtype=dtype)  # past one chunk, then bad
+    big[-1] = bad
+    red = _reducer(big.size, 2, dtype)
+    with pytest.raises(ReductionError, match="non-finite"):
+        red.add(0, 0, 1.0, big)
+    assert red.add(0, 0, 1.0, np.full(big.size, np.finfo(dtype).max, dtype=dtype)) is False
 
 
 @settings(max_examples=100, deadline=None)
