@@ -5,18 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc import aio
 
 from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundResult
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
-from moshpitd.allreduce.layout import FlatView, schema_hash
+from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, schema_hash
 from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
@@ -46,6 +47,22 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT = 1.0
 LAG_TICK = 0.1
 LAG_WARN = 0.25
+
+
+FP16_MAX = 65504.0  # fp16 encodes anything larger as Inf, which every reducer refuses
+
+
+def check_fp16_range(buffer: memoryview, specs: Sequence[TensorSpec]) -> None:
+    """NaN, Inf and values fp16 cannot carry, in one pass (min and max per cache-sized chunk)."""
+    for i, s in enumerate(specs):
+        flat = np.frombuffer(buffer, dtype=s.dtype, count=s.numel, offset=s.offset)
+        for chunk in (flat[k:k + (1 << 18)] for k in range(0, flat.size, 1 << 18)):
+            lo, hi = chunk.min(), chunk.max()
+            if not (np.isfinite(lo) and np.isfinite(hi)):
+                raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
+            if max(-lo, hi) > FP16_MAX:
+                raise LayoutError(f"tensor {i} holds {max(-lo, hi):.6g}, beyond codec fp16's "
+                                  "range (|x| <= 65504; it would arrive as Inf): use codec bf16")
 
 
 class MoshpitNode:
@@ -195,7 +212,10 @@ class MoshpitNode:
         if total > self.config.max_request_bytes:
             raise ValueError(f"request carries {total} tensor bytes, over this daemon's limit "
                              f"{self.config.max_request_bytes} (setting max_request_bytes)")
-        view.check_finite()  # NaN or Inf is refused here, before it reaches any peer
+        if request.codec == "fp16":  # NaN, Inf and values fp16 would turn into Inf
+            check_fp16_range(buffer, request.specs)
+        else:
+            view.check_finite()  # NaN or Inf is refused here, before it reaches any peer
         if self.draining:
             raise ShuttingDown("moshpitd is shutting down: it takes no new rounds")
         if request.key in self._active:
@@ -327,22 +347,20 @@ class MoshpitNode:
 
     async def _allreduce(self, group: Group, view: FlatView, final: float,
                          aggregation: str = "mean") -> RoundResult:
-        self.fault.begin_round()
-        rnd = ButterflyRound(group, group.index_of(self.peer_id), view,
-                             get_codec(group.codec), self.registry.connect,
-                             self.config.part_bytes, self.fault, aggregation,
-                             self.config.max_parts_in_flight)
-        if self.config.swarm_key is not None:
-            rnd.seal_hello = self.registry.hello
+        rnd = ButterflyRound(group, group.index_of(self.peer_id), view, get_codec(group.codec),
+                             self.registry.connect, self.config.part_bytes, self.fault,
+                             aggregation, self.config.max_parts_in_flight)
+        self.fault.begin_round([len(ps) for o, ps in rnd.by_owner.items() if o != rnd.me],
+                               len(group.members) - 1 if rnd.my_parts else 0)
+        rnd.seal_hello = self.registry.hello if self.config.swarm_key is not None else None
         n = len(group.members)
         moved = 2 * sum(view.specs[i].nbytes for i in range(len(view.specs))) * (n - 1) // n
         budget = self.deadlines.budget(moved)
-        remaining = final - time.monotonic()
         grace = min(1.0, 0.25 * budget)
-        deadline = time.monotonic() + max(min(budget, remaining - grace), 0.05)
+        deadline = time.monotonic() + max(min(budget, final - time.monotonic() - grace), 0.05)
         self.registry.register(rnd)
-        try:
-            result = await rnd.run(deadline, grace, hard=final - grace)
+        try:  # a member still sending past the deadline gets one more budget, no more
+            result = await rnd.run(deadline, grace, hard=min(final - grace, deadline + budget))
         finally:
             self.registry.unregister(group.group_id)
         if result.parts_averaged == result.parts:

@@ -5,10 +5,10 @@ them as they arrive and streams each averaged part back as soon as it is final (
 
 Faults follow one deadline per round: a sender whose connection breaks is excluded at once, one
 that is silent at the deadline is excluded then (one whose bytes still flow, on a slow link, is
-waited for in STALL_WINDOW steps up to the request's timeout); parts it delivered stay in the
-mean. A reducer
-that fails leaves its span at our local values. Every result carries the bitmask of the senders
-it averages, so the caller learns exactly what each element is.
+waited for in STALL_WINDOW steps up to the round's hard deadline, one more budget: node.py);
+parts it delivered stay in the mean. A reducer that fails, or returns NaN/Inf, leaves its part
+at our local values. Every result carries the bitmask of the senders it averages, so the caller
+learns exactly what each element is.
 """
 
 from __future__ import annotations

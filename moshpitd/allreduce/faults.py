@@ -4,20 +4,36 @@ Set MOSHPITD_FAULT=KIND[@ROUND] (ROUND counts this daemon's all-reduce rounds fr
 and optionally MOSHPITD_FAULT_MARKER=PATH, a file written the moment the fault fires, so a test
 can act (kill a process) at a known point. Unset in production: every hook is then a no-op.
 
-KIND: crash-before-send, crash-mid-send, stall-send, slow-send (pauses SLOW_SECONDS, then goes
-on), crash-while-reducing, stall-reduce.
+KIND: crash-before-send, crash-mid-send (after one part on a link), stall-send (silent after one
+part on every link), slow-send (pauses SLOW_SECONDS once, then goes on), trickle-send (sleeps
+TRICKLE_SECONDS before every part: slow but never silent), crash-while-reducing (at a
+contribution), stall-reduce, poison-results (a reducer puts an Inf into the first result on
+each of its streams). The crashes, and stall-send's marker, wait until every other member's
+stream reached us (`accepted_sender`): the fault then surely lands mid-round for everyone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send",
-         "crash-while-reducing", "stall-reduce"}
+import numpy as np
+
+from moshpitd.allreduce.codecs import Codec
+
+KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send", "trickle-send",
+         "crash-while-reducing", "stall-reduce", "poison-results"}
 STALL_SECONDS = 3600.0
 SLOW_SECONDS = 1.5
+TRICKLE_SECONDS = 0.3
+
+
+def poisoned(codec: Codec, payload: memoryview | bytes, n: int, dtype: np.dtype) -> memoryview:
+    """A result's wire bytes with one of its n values turned into Inf (a new buffer)."""
+    values = codec.decode(memoryview(payload), n, dtype).copy()
+    values[n // 2] = np.inf
+    return codec.encode(values)
 
 
 @dataclass
@@ -26,6 +42,12 @@ class FaultPlan:
     at_round: int = 1
     marker: str | None = None
     rounds: int = 0
+    stalling: int = 0  # links of this round that stall-send will stall (those with 2+ parts)
+    stalled: int = 0  # of them, links stalled so far
+    senders: int = 0  # members that stream parts to us this round
+    accepted: int = 0  # of them, streams that reached us
+    reducing: bool = False  # crash-while-reducing: a contribution arrived
+    engaged: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -37,8 +59,29 @@ class FaultPlan:
             raise ValueError(f"MOSHPITD_FAULT={spec!r}: unknown fault (one of {sorted(KINDS)})")
         return cls(kind, int(at or 1), os.environ.get("MOSHPITD_FAULT_MARKER"))
 
-    def begin_round(self) -> None:
+    def begin_round(self, link_parts: list[int] | None = None, senders: int = 0) -> None:
+        """`link_parts`: how many parts we stream to each other owner this round; `senders`:
+        how many members stream parts to us."""
         self.rounds += 1
+        self.stalling = sum(1 for n in link_parts or [] if n > 1)
+        self.stalled = self.accepted = 0
+        self.senders, self.reducing = senders, False
+        self.engaged = asyncio.Event()
+        if not senders:
+            self.engaged.set()
+
+    def accepted_sender(self) -> None:
+        """A member's stream reached us: it has the group. Once all have, every member is in
+        the round, and a crash can no longer keep one out (a leader that died before its
+        GroupInfo reached everyone would: a matchmaking fault, not the one under test)."""
+        self.accepted += 1
+        if self.accepted < self.senders:
+            return
+        self.engaged.set()
+        if self._now("crash-before-send") or (self.reducing and self._now(
+                "crash-while-reducing")):
+            self._crash()  # before the last sender's parts: no part of ours is final
+        self._stall_marker()
 
     def _now(self, kind: str) -> bool:
         return self.kind == kind and self.rounds == self.at_round
@@ -52,27 +95,47 @@ class FaultPlan:
         self._fire()
         os._exit(17)
 
+    def _stall_marker(self) -> None:
+        if self._now("stall-send") and self.engaged.is_set() and self.stalled >= self.stalling:
+            self._fire()  # every member is in the round and every owner holds our first part
+
     def before_send(self) -> None:
-        if self._now("crash-before-send"):
-            self._crash()
+        """Round start; the crash faults wait for every member (see accepted_sender)."""
 
     async def during_send(self, sent: int) -> None:
         """Called before each part a sender streams; `sent` parts went out already."""
+        if sent == 0 and self._now("crash-before-send"):
+            await self.engaged.wait()  # accepted_sender crashes then: hold our parts back
+            self._crash()
         if sent == 1 and self._now("crash-mid-send"):
+            await self.engaged.wait()
             self._crash()
         if sent == 1 and self._now("stall-send"):
-            self._fire()
+            self.stalled += 1
+            self._stall_marker()
             await asyncio.sleep(STALL_SECONDS)
         if sent == 1 and self._now("slow-send"):
             self._fire()
             await asyncio.sleep(SLOW_SECONDS)
+        if self._now("trickle-send"):
+            self._fire()
+            await asyncio.sleep(TRICKLE_SECONDS)
 
     def while_reducing(self) -> None:
         if self._now("crash-while-reducing"):
-            self._crash()
+            self.reducing = True
+            if self.engaged.is_set():
+                self._crash()
 
     def stall_reduce(self) -> bool:
         if self._now("stall-reduce"):
+            self._fire()
+            return True
+        return False
+
+    def poison_result(self, sent: int) -> bool:
+        """True for the first result on a stream (`sent` results went out on it already)."""
+        if sent == 0 and self._now("poison-results"):
             self._fire()
             return True
         return False

@@ -1,5 +1,14 @@
 """The two ends of a butterfly round's streams: a reducer's slot for one sender's parts, and a
-sender's link to one reducer (owner) that returns averaged parts."""
+sender's link to one reducer (owner) that returns averaged parts.
+
+An owner's results are untrusted like any contribution: each is received into the link's staging
+buffer, checked for NaN/Inf, and only then copied into the trainer's buffer; a non-finite one
+leaves the part at our local values (mask 0). Receiving straight into the trainer's buffer would
+save that copy, but a poisoned result would then have overwritten the very values we must fall
+back to, and their only other copy went to that owner. (Copying each part aside before its
+result lands costs the same copy plus memory for every part in flight; the staged part is still
+in cache when it is checked and copied.)
+"""
 
 from __future__ import annotations
 
@@ -7,9 +16,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from moshpitd.allreduce.codecs import CodecError
-from moshpitd.allreduce.faults import STALL_SECONDS
-from moshpitd.allreduce.layout import Part
+from moshpitd.allreduce.faults import STALL_SECONDS, poisoned
+from moshpitd.allreduce.layout import Part, all_finite
 from moshpitd.allreduce.reducer import ReductionError
 from moshpitd.transport.dataplane import ABORT, PART, RESULT, Channel, DataPlaneError
 
@@ -17,6 +28,22 @@ if TYPE_CHECKING:
     from moshpitd.allreduce.butterfly import ButterflyRound
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
+
+class Outbox(asyncio.Queue[int]):
+    """Parts whose results still go back to one sender. Once its stream is gone nothing is kept
+    for it: the round waits until every outbox is empty, and this one would never empty."""
+
+    closed = False
+
+    def put_nowait(self, item: int) -> None:
+        if not self.closed:
+            super().put_nowait(item)
+
+    def close(self) -> None:
+        self.closed = True
+        while not self.empty():
+            self.get_nowait()
+
 
 class SenderSlot:
     """Reducer side: frames from one sender."""
@@ -27,7 +54,8 @@ class SenderSlot:
         self.channel = channel
         self.expected = {p.index for p in rnd.my_parts}
         self.staging = bytearray(rnd.max_part_bytes)
-        self.outbox: asyncio.Queue[int] = asyncio.Queue()
+        self.outbox = Outbox()
+        rnd.fault.accepted_sender()
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != PART:
@@ -58,24 +86,33 @@ class SenderSlot:
             self.channel.abort(f"unexpected frame kind {kind}")
 
     def on_close(self, exc: BaseException | None) -> None:
+        self.outbox.close()
         if self.expected:
             self.rnd.exclude(self.sender, f"its stream closed ({exc or 'EOF'})", "disconnected")
 
     async def write_results(self) -> None:
         """Results go back in the order parts become final."""
+        sent = 0
         while True:
             index = await self.outbox.get()
             mask = self.rnd.reducer.mask(index)
             payload = self.rnd.result_payload(index) if mask else b""
+            if mask and self.rnd.fault.poison_result(sent):
+                p = self.rnd.parts[index]
+                payload = poisoned(self.rnd.codec, payload, p.numel, self.rnd.dtypes[p.run])
+            sent += 1
             if self.rnd.fault.stall_reduce():
                 await asyncio.sleep(STALL_SECONDS)
             try:
                 await self.channel.send(RESULT, index, payload, aux=mask)
             except DataPlaneError:
+                self.outbox.close()
                 return  # the sender is gone; its link will report that on its side
 
 
-STALL_WINDOW = 1.0  # past the deadline, a peer must show new bytes this often to be waited for
+# Past the round's deadline, a peer must show new bytes this often to be waited for, and never
+# beyond the round's hard deadline (node.py: one more budget, so at most twice the budget).
+STALL_WINDOW = 1.0
 
 
 class OwnerLink:
@@ -89,6 +126,7 @@ class OwnerLink:
         self.done = asyncio.Event()
         self.progress = asyncio.Event()  # set per result: the send window moves
         self.failure: str | None = None
+        self.staging = bytearray(rnd.max_part_bytes)  # results land here to be checked
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != RESULT:
@@ -100,11 +138,7 @@ class OwnerLink:
         want = self.rnd.codec.encoded_size(p.numel, dtype) if aux else 0
         if length != want:
             raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
-        if aux and self.rnd.codec.name == "none":
-            direct = self.rnd.view.region(p)
-            if direct is not None:
-                return direct  # straight into the trainer's buffer
-        return None
+        return memoryview(self.staging)[:length]  # consumed by on_frame before the next frame
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == ABORT:
@@ -117,8 +151,15 @@ class OwnerLink:
         if aux and (aux >> len(self.rnd.group.members)):
             self.fail(f"result {part} names members that do not exist")
             return
-        if aux and not (self.rnd.codec.name == "none" and self.rnd.view.region(p) is not None):
-            self.rnd.view.write(p, self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run]))
+        if aux:
+            with np.errstate(all="ignore"):  # a liar's int8 scale of Inf must not warn per part
+                values = self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run])
+            if all_finite(values):
+                self.rnd.view.write(p, values)
+            else:
+                log.warning("owner %d returned NaN or Inf for part %d: it keeps local values",
+                            self.owner, part)
+                aux = 0
         self.rnd.applied[part] = aux
         self.waiting.discard(part)
         if not self.waiting:
@@ -129,9 +170,14 @@ class OwnerLink:
         return sent - (self.total - len(self.waiting))
 
     def on_close(self, exc: BaseException | None) -> None:
-        if self.waiting and self.failure is None:
+        """Closed without a word: its daemon is gone (or its round is over), so its parts will
+        not come either; that holds even when all its results are in and it never connected
+        to us as a sender, which would otherwise leave us waiting for the deadline."""
+        if self.failure is not None:
+            return
+        if self.waiting:
             self.fail(f"stream closed ({exc or 'EOF'})")
-            # Closed without a word: its daemon is gone, so stop waiting for its parts too.
+        if self.rnd.reducer.lacking(self.owner):
             self.rnd.exclude(self.owner, "its connection dropped", "disconnected")
 
     def fail(self, why: str) -> None:
