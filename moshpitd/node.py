@@ -42,6 +42,7 @@ from moshpitd.transport.grpc_server import AveragerServer, ChannelPool
 from moshpitd.transport.security import Security
 
 log = logging.getLogger(__name__)
+Outcome = tuple[tuple[tuple[int, int, int], ...], tuple[str, ...], int]  # spans, members, owned
 
 
 PROBE_TIMEOUT = 1.0
@@ -88,9 +89,6 @@ class MoshpitNode:
         self.matchmakers: dict[str, Matchmaker] = {}
         self.runs: dict[str, RunDirectory] = {}
         self._active: dict[str, asyncio.Task[Any]] = {}  # key -> the request averaging it
-        self._last_spans: tuple[tuple[int, int, int], ...] = ()
-        self._last_members: tuple[str, ...] = ()
-        self._last_owned = 0
         self.log = RoundLog(self.metrics)
         self.dht_addr = ("", 0)
         self.grpc_endpoint = ""
@@ -225,10 +223,10 @@ class MoshpitNode:
         self._active[request.key] = task
         try:
             if request.grid is None:
-                rec, _ = await self._one_round(request.key, request, view, request.weight,
-                                               request.timeout, None, request.group_size)
-                return AverageResult((rec,), None, None, self._last_spans, self._last_members,
-                                     self._last_owned)
+                rec, _, out = await self._one_round(request.key, request, view,
+                                                    request.weight, request.timeout, None,
+                                                    request.group_size)
+                return AverageResult((rec,), None, None, *out)
             return await self._grid_rounds(request, view)
         finally:
             del self._active[request.key]
@@ -249,6 +247,7 @@ class MoshpitNode:
         final = time.monotonic() + request.timeout
         weight = request.weight
         records: list[tuple[int, RoundRecord]] = []
+        out: Outcome = ((), (), 0)  # spans, members, owned of the last round
         for _ in range(request.rounds):
             plan = await run.plan(request.initial_coords)
             try:
@@ -257,26 +256,26 @@ class MoshpitNode:
                     raise AllreduceError(f"timeout after {len(records)} of {request.rounds} "
                                          "rounds")
                 try:
-                    rec, group = await self._one_round(
+                    rec, group, out = await self._one_round(
                         plan.key, request, view, weight, remaining, plan.expected, grid.size,
                         single_attempt=True, watcher=run.watcher(plan.round))
                     group_weight = sum(m.weight for m in group.members)
                     members = len(group.members)
-                except GroupNotFound:  # nobody came: a group of one keeps its value
-                    rec = self.log.recent[-1]
+                except GroupNotFound as exc:  # nobody came: a group of one keeps its value
+                    rec, out = exc.record, ((), (), 0)
                     group_weight, members = weight, 1
             finally:
                 await run.finish(plan.round)
             records.append((plan.round, rec))
             weight = carried_weight(group_weight, members)
         assert run.coords is not None
-        return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0],
-                             self._last_spans, self._last_members, self._last_owned)
+        return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0], *out)
 
     async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
                          timeout: float, expected: frozenset[bytes] | None, target: int,
                          single_attempt: bool = False,
-                         watcher: LineWatcher | None = None) -> tuple[RoundRecord, Group]:
+                         watcher: LineWatcher | None = None
+                         ) -> tuple[RoundRecord, Group, Outcome]:
         if self.draining:  # e.g. the next round of a multi-round grid request
             raise ShuttingDown("moshpitd is shutting down: it starts no new round")
         start = time.monotonic()
@@ -305,16 +304,18 @@ class MoshpitNode:
                                        "matchmaking") from None
                 finding.cancel()
                 raise
-        except NoPartners:
-            self._last_spans, self._last_members = (), ()
-            self.log.record(key, 1, 0, 0, start, time.monotonic(), "alone", request.codec)
+        except NoPartners as exc:  # the round's record goes with it (to the grid loop)
+            exc.record = self.log.record(key, 1, 0, 0, start, time.monotonic(), "alone",
+                                         request.codec)
             raise
         except ShuttingDown:
             self.log.record(key, 0, 0, 0, start, time.monotonic(), "shutting_down", request.codec)
             raise
-        except BaseException:
-            self.log.record(key, 0, 0, 0, start, time.monotonic(), "matchmaking_failed",
-                         request.codec)
+        except BaseException as exc:
+            rec = self.log.record(key, 0, 0, 0, start, time.monotonic(), "matchmaking_failed",
+                                  request.codec)
+            if isinstance(exc, GroupNotFound):
+                exc.record = rec
             raise
         finally:
             del self.matchmakers[key]
@@ -337,13 +338,11 @@ class MoshpitNode:
             self.log.record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed",
                          request.codec)
             raise
-        self._last_spans = result.spans
-        self._last_members = tuple(m.peer_id.hex() for m in group.members)
-        self._last_owned = result.owned
         outcome = "ok" if result.parts_averaged == result.parts else "partial"
         rec = self.log.record(key, result.group_size, result.bytes_sent, result.bytes_received,
                            start, assembled, outcome, group.codec, result.excluded_parts)
-        return rec, group
+        return rec, group, (result.spans, tuple(m.peer_id.hex() for m in group.members),
+                            result.owned)
 
     async def _allreduce(self, group: Group, view: FlatView, final: float,
                          aggregation: str = "mean") -> RoundResult:
