@@ -111,7 +111,7 @@ class MoshpitNode:
         self.grpc_endpoint = format_hostport(c.advertise_host or c.grpc_host, port)
         dport = await self.registry.start(c.grpc_host, c.data_port)
         self.data_endpoint = format_hostport(c.advertise_host or c.grpc_host, dport)
-        self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint)
+        self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint, fault=self.fault)
         self._lag_task = asyncio.create_task(self._watch_loop_lag())
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))

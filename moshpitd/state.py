@@ -21,6 +21,7 @@ import grpc
 import msgpack
 from grpc import aio
 
+from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.dht.network import DHTNode
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
@@ -73,6 +74,7 @@ class StateStore:
     peer_id: bytes
     endpoint: str
     snapshots: dict[str, list[Snapshot]] = field(default_factory=dict)  # oldest first
+    fault: FaultPlan | None = None  # the fault tests' hooks
 
     async def publish(self, key: str, tensors: list[list[Any]], meta: dict[str, Any],
                       data: bytes, version: int | None = None) -> int:
@@ -138,7 +140,9 @@ class StateStore:
             yield pb.StateChunk(offset=0, total=total, version=snap.version, header=snap.header)
             return
         end = min(request.offset + request.length, total)
-        for pos in range(request.offset, end, CHUNK):
+        for sent, pos in enumerate(range(request.offset, end, CHUNK)):
+            if self.fault is not None:
+                await self.fault.serving_state(sent)
             stop = min(pos + CHUNK, end)
             yield pb.StateChunk(offset=pos, data=snap.data[pos:stop], total=total,
                                 version=snap.version)

@@ -8,7 +8,8 @@ KIND: crash-before-send, crash-mid-send (after one part on a link), stall-send (
 part on every link), slow-send (pauses SLOW_SECONDS once, then goes on), trickle-send (sleeps
 TRICKLE_SECONDS before every part: slow but never silent), crash-while-reducing (at a
 contribution), stall-reduce, poison-results (a reducer puts an Inf into the first result on
-each of its streams). The crashes, and stall-send's marker, wait until every other member's
+each of its streams), die-mid-serve (a state donor exits after sending part of a range to a
+joiner; ROUND is ignored). The crashes, and stall-send's marker, wait until every other member's
 stream reached us (`accepted_sender`): the fault then surely lands mid-round for everyone.
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 from moshpitd.allreduce.codecs import Codec
 
 KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send", "trickle-send",
-         "crash-while-reducing", "stall-reduce", "poison-results"}
+         "crash-while-reducing", "stall-reduce", "poison-results", "die-mid-serve"}
 STALL_SECONDS = 3600.0
 SLOW_SECONDS = 1.5
 TRICKLE_SECONDS = 0.3
@@ -139,3 +140,10 @@ class FaultPlan:
             self._fire()
             return True
         return False
+
+    async def serving_state(self, chunks_sent: int) -> None:
+        """A donor streaming a range of its state to a joiner, `chunks_sent` chunks in (it
+        lets them reach the joiner before it dies)."""
+        if self.kind == "die-mid-serve" and chunks_sent == 2:
+            await asyncio.sleep(0.5)
+            self._crash()
