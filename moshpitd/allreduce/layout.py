@@ -271,11 +271,6 @@ class FlatView:
             if not all_finite(arr.reshape(-1)):
                 raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
 
-    def region(self, part: Part) -> memoryview | None:
-        """The part's bytes in the buffer when they are one slice (for recv_into)."""
-        pieces = self.views(part)
-        return pieces[0].data.cast("B") if len(pieces) == 1 else None
-
     def write(self, part: Part, values: np.ndarray) -> None:
         pos = 0
         for piece in self.views(part):
