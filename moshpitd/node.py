@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
 import grpc
-import numpy as np
 from grpc import aio
 
 from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundResult
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
-from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, schema_hash
+from moshpitd.allreduce.layout import FlatView, check_fp16_range, schema_hash
 from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
@@ -48,22 +48,6 @@ Outcome = tuple[tuple[tuple[int, int, int], ...], tuple[str, ...], int]  # spans
 PROBE_TIMEOUT = 1.0
 LAG_TICK = 0.1
 LAG_WARN = 0.25
-
-
-FP16_MAX = 65504.0  # fp16 encodes anything larger as Inf, which every reducer refuses
-
-
-def check_fp16_range(buffer: memoryview, specs: Sequence[TensorSpec]) -> None:
-    """NaN, Inf and values fp16 cannot carry, in one pass (min and max per cache-sized chunk)."""
-    for i, s in enumerate(specs):
-        flat = np.frombuffer(buffer, dtype=s.dtype, count=s.numel, offset=s.offset)
-        for chunk in (flat[k:k + (1 << 18)] for k in range(0, flat.size, 1 << 18)):
-            lo, hi = chunk.min(), chunk.max()
-            if not (np.isfinite(lo) and np.isfinite(hi)):
-                raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
-            if max(-lo, hi) > FP16_MAX:
-                raise LayoutError(f"tensor {i} holds {max(-lo, hi):.6g}, beyond codec fp16's "
-                                  "range (|x| <= 65504; it would arrive as Inf): use codec bf16")
 
 
 class MoshpitNode:
@@ -210,10 +194,23 @@ class MoshpitNode:
         if total > self.config.max_request_bytes:
             raise ValueError(f"request carries {total} tensor bytes, over this daemon's limit "
                              f"{self.config.max_request_bytes} (setting max_request_bytes)")
-        if request.codec == "fp16":  # NaN, Inf and values fp16 would turn into Inf
-            check_fp16_range(buffer, request.specs)
-        else:
-            view.check_finite()  # NaN or Inf is refused here, before it reaches any peer
+        # NaN, Inf (and values fp16 would turn into Inf) are refused before a byte reaches a
+        # peer: the check runs in a thread while matchmaking looks for a group, and the
+        # matchmaker waits for it before it joins or assembles one
+        checking = asyncio.ensure_future(asyncio.to_thread(
+            functools.partial(check_fp16_range, buffer, request.specs)
+            if request.codec == "fp16" else view.check_finite))
+        checking.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+        try:
+            return await self._average(request, view, checking)
+        except BaseException:
+            bad = checking.exception() if checking.done() and not checking.cancelled() else None
+            if bad is not None:
+                raise bad from None  # the real reason, not "no group"
+            raise
+
+    async def _average(self, request: AverageRequest, view: FlatView,
+                       checking: asyncio.Future[None]) -> AverageResult:
         if self.draining:
             raise ShuttingDown("moshpitd is shutting down: it takes no new rounds")
         if request.key in self._active:
@@ -225,13 +222,17 @@ class MoshpitNode:
             if request.grid is None:
                 rec, _, out = await self._one_round(request.key, request, view,
                                                     request.weight, request.timeout, None,
-                                                    request.group_size)
-                return AverageResult((rec,), None, None, *out)
-            return await self._grid_rounds(request, view)
+                                                    request.group_size, ready=checking)
+                result = AverageResult((rec,), None, None, *out)
+            else:
+                result = await self._grid_rounds(request, view, checking)
+            await checking  # a round spent alone never waited for it
+            return result
         finally:
             del self._active[request.key]
 
-    async def _grid_rounds(self, request: AverageRequest, view: FlatView) -> AverageResult:
+    async def _grid_rounds(self, request: AverageRequest, view: FlatView,
+                           checking: asyncio.Future[None]) -> AverageResult:
         grid = request.grid
         assert grid is not None
         run = self.runs.get(request.key)
@@ -258,7 +259,7 @@ class MoshpitNode:
                 try:
                     rec, group, out = await self._one_round(
                         plan.key, request, view, weight, remaining, plan.expected, grid.size,
-                        single_attempt=True, watcher=run.watcher(plan.round))
+                        single_attempt=True, watcher=run.watcher(plan.round), ready=checking)
                     group_weight = sum(m.weight for m in group.members)
                     members = len(group.members)
                 except GroupNotFound as exc:  # nobody came: a group of one keeps its value
@@ -274,7 +275,8 @@ class MoshpitNode:
     async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
                          timeout: float, expected: frozenset[bytes] | None, target: int,
                          single_attempt: bool = False,
-                         watcher: LineWatcher | None = None
+                         watcher: LineWatcher | None = None,
+                         ready: asyncio.Future[None] | None = None
                          ) -> tuple[RoundRecord, Group, Outcome]:
         if self.draining:  # e.g. the next round of a multi-round grid request
             raise ShuttingDown("moshpitd is shutting down: it starts no new round")
@@ -290,7 +292,7 @@ class MoshpitNode:
             client_mode=self.config.client_mode, settle_seconds=self._settle.seconds,
         )
         me = Self(self.peer_id, self.grpc_endpoint, self.data_endpoint, self.config.bandwidth)
-        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self._probe)
+        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self._probe, ready)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt else timeout))
         self._finding[key] = finding

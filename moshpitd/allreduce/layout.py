@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -27,7 +28,8 @@ DEFAULT_PART_BYTES = 1 << 20
 
 _ZEROS: dict[np.dtype, np.ndarray] = {}
 _CHUNK = 1 << 18
-_F16_SCRATCH: np.ndarray | None = None
+_LOCAL = threading.local()  # per-thread scratch: requests are checked in worker threads
+FP16_MAX = 65504.0  # fp16 encodes anything larger as Inf, which every reducer refuses
 
 
 def all_finite(values: np.ndarray) -> bool:
@@ -54,10 +56,10 @@ def all_finite(values: np.ndarray) -> bool:
 def _f16_finite(values: np.ndarray) -> bool:
     """float16 NaN and Inf have all exponent bits set: |bits| >= 0x7C00. Integer max runs in
     SIMD; a float16 max or min converts element by element (~60x slower)."""
-    global _F16_SCRATCH
-    if _F16_SCRATCH is None:
-        _F16_SCRATCH = np.empty(_CHUNK, dtype=np.uint16)
-    scratch, bits = _F16_SCRATCH, values.view(np.uint16)
+    scratch = getattr(_LOCAL, "f16", None)
+    if scratch is None:
+        scratch = _LOCAL.f16 = np.empty(_CHUNK, dtype=np.uint16)
+    bits = values.view(np.uint16)
     for start in range(0, bits.size, _CHUNK):
         chunk = bits[start:start + _CHUNK]
         if np.bitwise_and(chunk, 0x7FFF, out=scratch[:chunk.size]).max() >= 0x7C00:
@@ -67,6 +69,19 @@ def _f16_finite(values: np.ndarray) -> bool:
 
 class LayoutError(ValueError):
     """A tensor description does not fit the buffer or is not supported."""
+
+
+def check_fp16_range(buffer: memoryview, specs: Sequence[TensorSpec]) -> None:
+    """NaN, Inf and values fp16 cannot carry, in one pass (min and max per cache-sized chunk)."""
+    for i, s in enumerate(specs):
+        flat = np.frombuffer(buffer, dtype=s.dtype, count=s.numel, offset=s.offset)
+        for chunk in (flat[k:k + _CHUNK] for k in range(0, flat.size, _CHUNK)):
+            lo, hi = chunk.min(), chunk.max()
+            if not (np.isfinite(lo) and np.isfinite(hi)):
+                raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
+            if max(-lo, hi) > FP16_MAX:
+                raise LayoutError(f"tensor {i} holds {max(-lo, hi):.6g}, beyond codec fp16's "
+                                  "range (|x| <= 65504; it would arrive as Inf): use codec bf16")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moshpitd.allreduce.layout import LayoutError, TensorSpec
-from moshpitd.node import FP16_MAX, check_fp16_range
+from moshpitd.allreduce.layout import FP16_MAX, LayoutError, TensorSpec, check_fp16_range
 
 BIG = 600_000  # more than two of the check's chunks
 
