@@ -194,23 +194,6 @@ class MoshpitNode:
         if total > self.config.max_request_bytes:
             raise ValueError(f"request carries {total} tensor bytes, over this daemon's limit "
                              f"{self.config.max_request_bytes} (setting max_request_bytes)")
-        # NaN, Inf (and values fp16 would turn into Inf) are refused before a byte reaches a
-        # peer: the check runs in a thread while matchmaking looks for a group, and the
-        # matchmaker waits for it before it joins or assembles one
-        checking = asyncio.ensure_future(asyncio.to_thread(
-            functools.partial(check_fp16_range, buffer, request.specs)
-            if request.codec == "fp16" else view.check_finite))
-        checking.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
-        try:
-            return await self._average(request, view, checking)
-        except BaseException:
-            bad = checking.exception() if checking.done() and not checking.cancelled() else None
-            if bad is not None:
-                raise bad from None  # the real reason, not "no group"
-            raise
-
-    async def _average(self, request: AverageRequest, view: FlatView,
-                       checking: asyncio.Future[None]) -> AverageResult:
         if self.draining:
             raise ShuttingDown("moshpitd is shutting down: it takes no new rounds")
         if request.key in self._active:
@@ -219,20 +202,20 @@ class MoshpitNode:
         assert task is not None
         self._active[request.key] = task
         try:
+            # NaN, Inf (and values fp16 would turn into Inf) are refused before a byte reaches
+            # a peer; in a thread, so the loop serves other rounds and peers meanwhile
+            await asyncio.to_thread(functools.partial(check_fp16_range, buffer, request.specs)
+                                    if request.codec == "fp16" else view.check_finite)
             if request.grid is None:
                 rec, _, out = await self._one_round(request.key, request, view,
                                                     request.weight, request.timeout, None,
-                                                    request.group_size, ready=checking)
-                result = AverageResult((rec,), None, None, *out)
-            else:
-                result = await self._grid_rounds(request, view, checking)
-            await checking  # a round spent alone never waited for it
-            return result
+                                                    request.group_size)
+                return AverageResult((rec,), None, None, *out)
+            return await self._grid_rounds(request, view)
         finally:
             del self._active[request.key]
 
-    async def _grid_rounds(self, request: AverageRequest, view: FlatView,
-                           checking: asyncio.Future[None]) -> AverageResult:
+    async def _grid_rounds(self, request: AverageRequest, view: FlatView) -> AverageResult:
         grid = request.grid
         assert grid is not None
         run = self.runs.get(request.key)
@@ -259,7 +242,7 @@ class MoshpitNode:
                 try:
                     rec, group, out = await self._one_round(
                         plan.key, request, view, weight, remaining, plan.expected, grid.size,
-                        single_attempt=True, watcher=run.watcher(plan.round), ready=checking)
+                        single_attempt=True, watcher=run.watcher(plan.round))
                     group_weight = sum(m.weight for m in group.members)
                     members = len(group.members)
                 except GroupNotFound as exc:  # nobody came: a group of one keeps its value
@@ -275,8 +258,7 @@ class MoshpitNode:
     async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
                          timeout: float, expected: frozenset[bytes] | None, target: int,
                          single_attempt: bool = False,
-                         watcher: LineWatcher | None = None,
-                         ready: asyncio.Future[None] | None = None
+                         watcher: LineWatcher | None = None
                          ) -> tuple[RoundRecord, Group, Outcome]:
         if self.draining:  # e.g. the next round of a multi-round grid request
             raise ShuttingDown("moshpitd is shutting down: it starts no new round")
@@ -292,7 +274,7 @@ class MoshpitNode:
             client_mode=self.config.client_mode, settle_seconds=self._settle.seconds,
         )
         me = Self(self.peer_id, self.grpc_endpoint, self.data_endpoint, self.config.bandwidth)
-        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self._probe, ready)
+        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self._probe)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt else timeout))
         self._finding[key] = finding

@@ -58,6 +58,7 @@ class Snapshot:
     data: bytes
     published: float = field(default_factory=time.monotonic)
     leased_until: float = 0.0  # pinned while a joiner downloads it
+    grace_until: float = 0.0  # just replaced: a joiner may have read its record
 
 
 @dataclass(frozen=True)
@@ -75,38 +76,55 @@ class StateStore:
     endpoint: str
     snapshots: dict[str, list[Snapshot]] = field(default_factory=dict)  # oldest first
     fault: FaultPlan | None = None  # the fault tests' hooks
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     async def publish(self, key: str, tensors: list[list[Any]], meta: dict[str, Any],
                       data: bytes, version: int | None = None) -> int:
         # Donors that publish the same version (say, the same training step) are
         # interchangeable, so a download can take its byte ranges from several of them.
         version = time.time_ns() if version is None else version
-        digests = await asyncio.to_thread(range_digests, data)
-        header = bytes(msgpack.packb({"tensors": tensors, "meta": meta, "range": RANGE,
-                                      "digests": digests}))
-        if len(header) > MAX_HEADER:
-            raise ValueError(f"state header of {len(header)} bytes exceeds {MAX_HEADER}")
-        now = time.monotonic()
-        # A version we replace stays served for a while (a joiner may have just read its
-        # header) and as long as joiners keep downloading it; a snapshot nobody republished
-        # within the donor record's lifetime is advertised by no one any more.
-        if self.snapshots.get(key):
-            replaced = self.snapshots[key][-1]
-            replaced.leased_until = max(replaced.leased_until, now + SUPERSEDED_GRACE)
+        # one publish per key at a time: the latest to start is the latest served
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            digests = await asyncio.to_thread(range_digests, data)
+            header = bytes(msgpack.packb({"tensors": tensors, "meta": meta, "range": RANGE,
+                                          "digests": digests}))
+            if len(header) > MAX_HEADER:
+                raise ValueError(f"state header of {len(header)} bytes exceeds {MAX_HEADER}")
+            self._install(key, Snapshot(version, header, data, time.monotonic()))
+            value = bytes(msgpack.packb([self.endpoint, version, len(data)]))
+            await self.dht.store_sub(f"{key}/donors", self.peer_id, value, DONOR_TTL)
+        return version
+
+    def _install(self, key: str, snap: Snapshot) -> None:
+        """Which versions stay: the latest; ones joiners are downloading (leased); the one it
+        replaces, for SUPERSEDED_GRACE (a joiner may have just read the donor record); at most
+        MAX_KEPT per key, leased ones before the replaced one. A snapshot nobody republished
+        within the donor record's lifetime is advertised by no one any more: dropped."""
+        now = snap.published
         for k in list(self.snapshots):
             *older, latest = self.snapshots[k]
-            kept = [snap for snap in older if snap.leased_until > now]
-            if latest.leased_until > now or latest.published >= now - DONOR_TTL:
-                kept.append(latest)
-            if kept:
-                self.snapshots[k] = kept
+            if k == key:
+                if latest.version != snap.version:  # (the same version again: a refresh)
+                    for old in older:
+                        old.grace_until = 0.0  # only the version replaced now gets a grace
+                    latest.grace_until = now + SUPERSEDED_GRACE
+                    older.append(latest)
+                top: Snapshot | None = snap
+            else:
+                alive = latest.leased_until > now or latest.published >= now - DONOR_TTL
+                top = latest if alive else None
+            older = [o for o in older if top is None or o.version != top.version]
+            leased = [o for o in older if o.leased_until > now]
+            graced = [o for o in older if o.grace_until > now and o not in leased]
+            keep = sorted((leased + graced)[:MAX_KEPT - 1], key=lambda o: o.published)
+            if top is not None:
+                keep.append(top)
+            if keep:
+                self.snapshots[k] = keep
             else:
                 del self.snapshots[k]
-        kept = [snap for snap in self.snapshots.get(key, []) if snap.version != version]
-        self.snapshots[key] = [*kept[-(MAX_KEPT - 1):], Snapshot(version, header, data, now)]
-        value = bytes(msgpack.packb([self.endpoint, version, len(data)]))
-        await self.dht.store_sub(f"{key}/donors", self.peer_id, value, DONOR_TTL)
-        return version
+        if key not in self.snapshots:
+            self.snapshots[key] = [snap]
 
     async def withdraw_all(self) -> None:
         """A draining daemon stops offering its snapshots, so joiners do not pick it."""
@@ -177,6 +195,7 @@ class StateStore:
                 else [version]
             for v in versions:
                 holders = [d for d in donors if d.version == v or (version and d.version > v)]
+                gone = 0  # holders that answered they no longer have it
                 for d in holders:
                     try:
                         chunk = await _first(pool, d, pb.StateRequest(key=key, length=0,
@@ -188,6 +207,11 @@ class StateStore:
                         return first, info, [first, *(h for h in holders if h != first)]
                     except (aio.AioRpcError, TimeoutError, ValueError) as exc:
                         log.info("state donor %s failed: %r", d.endpoint, exc)
+                        gone += isinstance(exc, aio.AioRpcError) and exc.code() in (
+                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+                if version and holders and gone == len(holders):  # waiting will not bring it back
+                    raise StateUnavailable(f"no donor offers version {version} of run {key!r} "
+                                           "any more")
             if time.monotonic() >= deadline:
                 what = f"version {version} of run {key!r}" if version else f"run {key!r}"
                 raise StateUnavailable(f"no donor answered for {what} within "

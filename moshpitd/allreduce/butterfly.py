@@ -62,6 +62,7 @@ class RoundResult:
 
 class ButterflyRound:
     seal_hello: Callable[[bytes, int, int], bytes] | None = None
+    closed = False  # run() returned: the trainer's buffer is no longer ours
 
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
                  connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
@@ -124,6 +125,7 @@ class ButterflyRound:
                 ch.abort("the peer left the round")
             raise
         finally:
+            self.closed = True  # the trainer owns its buffer again: late events write nothing
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -203,7 +205,7 @@ class ButterflyRound:
             self._finalise(part.index)
 
     def exclude(self, sender: int, why: str, fault: str = "other") -> None:
-        if self.reducer.excluded >> sender & 1:
+        if self.closed or self.reducer.excluded >> sender & 1:
             return
         lacking = self.reducer.lacking(sender)
         self.excluded_parts[fault] = self.excluded_parts.get(fault, 0) + lacking
@@ -216,6 +218,8 @@ class ButterflyRound:
             slot.channel.abort(f"excluded: {why}")
 
     def _finalise(self, index: int) -> None:
+        if self.closed:
+            return
         part = self.parts[index]
         mask = self.reducer.mask(index)
         if mask:

@@ -90,7 +90,8 @@ class Codec:
         np.multiply(q[:full].reshape(-1, INT8_BLOCK), scales[:full // INT8_BLOCK, None],
                     out=out[:full].reshape(-1, INT8_BLOCK))
         if full < n:
-            np.multiply(q[full:], scales[-1], out=out[full:])
+            np.multiply(q[full:], scales[-1:], out=out[full:])  # an array, not a scalar:
+            # numpy 1.x would pick the float16 loop for a float32 scalar
         return out
 
 

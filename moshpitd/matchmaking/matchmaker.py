@@ -58,10 +58,8 @@ ASSEMBLY_LEAD = 0.2
 
 class Matchmaker(Leading):
     def __init__(self, me: Self, dht: DHTNode, pool: ChannelPool, request: MatchRequest,
-                 watcher: LineWatcher | None = None, probe: Probe | None = None,
-                 ready: asyncio.Future[None] | None = None) -> None:
+                 watcher: LineWatcher | None = None, probe: Probe | None = None) -> None:
         self.me = me
-        self.ready = ready  # our contribution's check: done before we join or form a group
         self.probe = probe
         self._outside_since: dict[bytes, float] = {}
         self._dead: set[bytes] = set()  # declared, but its daemon does not answer
@@ -163,8 +161,6 @@ class Matchmaker(Leading):
                 return self.assembled.result()
             assemble_at = self._assemble_at(candidates)
             if self.accepting and self._ready_to_assemble(candidates, now, assemble_at):
-                if self.ready is not None:
-                    await self.ready
                 return self._assemble()
             if now >= self._deadline:
                 self._disband(None)
@@ -182,8 +178,6 @@ class Matchmaker(Leading):
                     continue
                 # a refusal may be momentary (it was between attempts): ask again later
                 tried[cand.peer_id] = time.monotonic() + RETRY_ASK
-                if self.ready is not None:
-                    await self.ready
                 group = await self._follow(cand, final)
                 if group is not None:
                     return group

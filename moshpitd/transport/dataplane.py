@@ -171,8 +171,14 @@ class Channel(asyncio.BufferedProtocol):
                                    else DataPlaneError(str(exc)))
 
     def close(self) -> None:
+        """Unsent bytes are dropped, not flushed: they are views of the trainer's buffer,
+        which it may overwrite as soon as its round returns (the peer sees the connection
+        drop and keeps its own values, instead of getting someone's next tensors)."""
         if self.transport is not None:
-            self.transport.close()
+            if self.transport.get_write_buffer_size() > 0:
+                self.transport.abort()
+            else:
+                self.transport.close()
 
 
 async def connect(host: str, port: int, sink: FrameSink, max_payload: int) -> Channel:

@@ -92,11 +92,13 @@ def test_donors_publishing_again_do_not_break_a_download(
         for c in donors:
             c.publish_state("churn", versioned(step), {"step": step}, version=step)
 
+    late = threading.Timer(0.05, publish, (3,))
+
     class Joiner(moshpit.Client):
         def _request(self, msg: dict[str, Any], timeout: float, **kw: Any) -> dict[str, Any]:
             if msg.get("op") == "download_state":
                 publish(2)  # between learning the version and downloading it
-                threading.Timer(0.05, publish, (3,)).start()  # and during the download
+                late.start()  # and (likely) during the download
             return super()._request(msg, timeout, **kw)
 
     publish(1)
@@ -107,7 +109,7 @@ def test_donors_publishing_again_do_not_break_a_download(
     assert torch.equal(tensors[1], torch.full((3, 4), -1.0, dtype=torch.float64))
     assert joiner.last_download is not None and joiner.last_download["version"] == 1
     assert joiner.last_download["served_by"] == 2
-    time.sleep(0.5)  # the late publish is done: the next joiner gets the newest version
+    late.join()  # the late publish is done: the next joiner gets the newest version
     _, meta = moshpit.Client(swarm.sockets[2]).download_state("churn", timeout=30)
     assert meta == {"step": 3}
 

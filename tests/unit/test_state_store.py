@@ -34,22 +34,25 @@ def test_replaced_versions_expire_unless_leased(monkeypatch: pytest.MonkeyPatch)
 
     publish(1)
     publish(2)
-    assert versions(store) == [1, 2]  # 1 was just replaced: a joiner may have its header
+    assert versions(store) == [1, 2]  # 1 was just replaced: a joiner may have its record
+    store._find("run", 1).leased_until = clock[0] + 5  # type: ignore[union-attr]  # downloading
     publish(3)
+    assert versions(store) == [1, 2, 3]
     publish(4)
-    assert versions(store) == [2, 3, 4]  # at most MAX_KEPT
-    clock[0] += state.SUPERSEDED_GRACE + 1
-    store.snapshots["run"][-1].leased_until = 0.0
-    store._find("run", 3).leased_until = clock[0] + 5  # type: ignore[union-attr]  # downloading
+    assert versions(store) == [1, 3, 4]  # 1 is leased, 3 just replaced, 2 had its grace
+    publish(4)
+    assert versions(store) == [1, 3, 4]  # the same version again replaces nothing
+    clock[0] += 6  # the download of 1 is over
     publish(5)
-    assert versions(store) == [3, 4, 5]  # 4 was replaced just now, 3 is leased, 2 is gone
-    clock[0] += state.LEASE + 1
+    assert versions(store) == [4, 5]
+    clock[0] += state.SUPERSEDED_GRACE + 1
     publish(6)
     assert versions(store) == [5, 6]
     publish(1, key="other")
     clock[0] += state.DONOR_TTL + 1
     publish(7)
-    assert "other" not in store.snapshots  # nobody republished it: nobody advertises it
+    assert "other" not in store.snapshots
+    assert versions(store) == [6, 7]  # nobody republished it: nobody advertises it
 
 
 def test_range_digests_cover_every_byte() -> None:
