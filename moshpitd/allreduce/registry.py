@@ -26,6 +26,7 @@ from moshpitd.transport.dataplane import (
 log = logging.getLogger(__name__)
 
 STREAM_WAIT = 10.0
+MAX_FINISHED = 4096  # ended rounds remembered, to refuse their late streams at once
 HELLO_TIMEOUT = 10.0
 MAX_UNOPENED = 1024
 MAX_PENDING = 1024
@@ -119,6 +120,9 @@ class RoundRegistry:
         self.unopened = 0  # accepted connections that have not sent their HELLO yet
         self.rejected = 0  # HELLOs without a valid swarm-key tag
         self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
+        # rounds that ended here: a late stream for one is refused at once, so its sender
+        # stops waiting for us instead of waiting STREAM_WAIT (insertion-ordered, bounded)
+        self._finished: dict[bytes, None] = {}
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -167,11 +171,16 @@ class RoundRegistry:
 
     def unregister(self, group_id: bytes) -> None:
         self._rounds.pop(group_id, None)
+        self._finished[group_id] = None
+        while len(self._finished) > MAX_FINISHED:
+            del self._finished[next(iter(self._finished))]
 
     async def route(self, channel: Channel, group_id: bytes, sender: int,
                     receiver: int) -> None:
         started = time.monotonic()
         try:
+            if group_id in self._finished:
+                raise DataPlaneError(f"group {group_id.hex()[:8]}'s round is over here")
             fut = self._future(group_id)
             async with asyncio.timeout(STREAM_WAIT):
                 rnd = await asyncio.shield(fut)

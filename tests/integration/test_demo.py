@@ -34,7 +34,14 @@ def start_demo(workdir: Path, epochs: int) -> subprocess.Popen[str]:
         [sys.executable, "-m", "demo.run", "--world", str(WORLD), "--epochs", str(epochs),
          "--workdir", str(workdir), "--deadline", "100"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """As in a terminal: a shell that runs the tests in the background (CI scripts do) starts
+    them with SIGINT ignored, which every child would inherit, Ctrl-C included."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def processes_naming(path: Path) -> list[str]:
