@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +16,7 @@ from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundRe
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
-from moshpitd.allreduce.layout import FlatView, check_fp16_range, schema_hash
+from moshpitd.allreduce.layout import FlatView, schema_hash
 from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
@@ -204,8 +203,7 @@ class MoshpitNode:
         try:
             # NaN, Inf (and values fp16 would turn into Inf) are refused before a byte reaches
             # a peer; in a thread, so the loop serves other rounds and peers meanwhile
-            await asyncio.to_thread(functools.partial(check_fp16_range, buffer, request.specs)
-                                    if request.codec == "fp16" else view.check_finite)
+            await asyncio.to_thread(view.check_finite, request.codec == "fp16")
             if request.grid is None:
                 rec, _, out = await self._one_round(request.key, request, view,
                                                     request.weight, request.timeout, None,

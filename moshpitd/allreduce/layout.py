@@ -72,20 +72,8 @@ class LayoutError(ValueError):
 
 
 def check_fp16_range(buffer: memoryview, specs: Sequence[TensorSpec]) -> None:
-    """NaN, Inf and values fp16 cannot carry, in one pass (min and max per cache-sized chunk)."""
-    for i, s in enumerate(specs):
-        flat = np.frombuffer(buffer, dtype=s.dtype, count=s.numel, offset=s.offset)
-        if flat.dtype == np.float16:  # every finite float16 fits: only NaN/Inf matter
-            if not all_finite(flat):
-                raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
-            continue
-        for chunk in (flat[k:k + _CHUNK] for k in range(0, flat.size, _CHUNK)):
-            lo, hi = chunk.min(), chunk.max()
-            if not (np.isfinite(lo) and np.isfinite(hi)):
-                raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
-            if max(-lo, hi) > FP16_MAX:
-                raise LayoutError(f"tensor {i} holds {max(-lo, hi):.6g}, beyond codec fp16's "
-                                  "range (|x| <= 65504; it would arrive as Inf): use codec bf16")
+    """NaN, Inf and values codec fp16 cannot carry (it would send them as Inf)."""
+    FlatView(buffer, specs).check_finite(fp16=True)
 
 
 @dataclass(frozen=True)
@@ -285,10 +273,22 @@ class FlatView:
             out[off:off + arr.nbytes] = arr.data.cast("B")
         return bytes(out), specs
 
-    def check_finite(self) -> None:
+    def check_finite(self, fp16: bool = False) -> None:
+        """No NaN or Inf; with `fp16`, nothing beyond its range either (one pass: min and
+        max per cache-sized chunk; every finite float16 fits, so those need no more)."""
         for i, arr in enumerate(self._arrays):
-            if not all_finite(arr.reshape(-1)):
-                raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
+            flat = arr.reshape(-1)
+            if not fp16 or flat.dtype == np.float16:
+                if not all_finite(flat):
+                    raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
+                continue
+            for chunk in (flat[k:k + _CHUNK] for k in range(0, flat.size, _CHUNK)):
+                lo, hi = chunk.min(), chunk.max()
+                if not (np.isfinite(lo) and np.isfinite(hi)):
+                    raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
+                if max(-lo, hi) > FP16_MAX:
+                    raise LayoutError(f"tensor {i} holds {max(-lo, hi):.6g}, beyond codec fp16's "
+                                      "range (|x| <= 65504; it would arrive as Inf): use bf16")
 
     def write(self, part: Part, values: np.ndarray) -> None:
         pos = 0

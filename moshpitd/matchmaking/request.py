@@ -24,6 +24,9 @@ class MatchRequest:
     settle_seconds: float = 0.5
 
 
+LONELY_GRACE = 0.2  # alone this long on our line: nobody is coming to this round
+
+
 @dataclass(frozen=True)
 class LineStatus:
     """What the run directory says about our grid line right now."""
@@ -33,7 +36,7 @@ class LineStatus:
     settled: bool = True  # no peer joined or left the run lately: `expected` is complete
     # how long we must have been alone before giving up on the round: longer in a run's first
     # round here, when line-mates started at the same moment may not have declared yet
-    grace: float = 0.2
+    grace: float = LONELY_GRACE
 
 
 LineWatcher = Callable[[], Awaitable[LineStatus]]

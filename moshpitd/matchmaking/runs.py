@@ -22,6 +22,7 @@ from moshpitd.dht.network import DHTNode
 from moshpitd.matchmaking.errors import MatchmakingError
 from moshpitd.matchmaking.grid import Coords, Grid, choose_coords, plan_round
 from moshpitd.matchmaking.matchmaker import LineStatus, LineWatcher
+from moshpitd.matchmaking.request import LONELY_GRACE
 
 ENTRY_TTL = 60.0
 SETTLE_READS = 6
@@ -29,7 +30,6 @@ SETTLE_INTERVAL = 0.03
 MAX_MOVES = 8
 DEAD_FOR = 30.0
 SETTLE_SECONDS = 0.3  # a run whose membership changed this recently may have more to come
-LONELY_GRACE = 0.2  # alone this long on our line: nobody is coming to this round
 FIRST_GRACE = 1.0  # the same in this daemon's first round of the run (peers still starting)
 
 Probe = Callable[[str], Awaitable[bool]]

@@ -66,17 +66,23 @@ def kill_leftovers(path: Path) -> None:
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
+def stop_demo(demo: subprocess.Popen[str], workdir: Path) -> list[str]:
+    """Whatever happened: the demo's processes that were still alive (then killed)."""
+    if demo.poll() is None:
+        os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait()
+    left = processes_naming(workdir)
+    kill_leftovers(workdir)
+    return left
+
+
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
     demo = start_demo(workdir, EPOCHS)
     try:
         out, _ = demo.communicate(timeout=120)
     finally:
-        if demo.poll() is None:
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.wait()
-        left = processes_naming(workdir)
-        kill_leftovers(workdir)
+        left = stop_demo(demo, workdir)
     assert demo.returncode == 0, out[-4000:]
     assert not left, left
     rounds = ROUND.findall(out)
@@ -129,11 +135,7 @@ def test_demo_ctrl_c_stops_everything(tmp_path: Path) -> None:
         rest, _ = demo.communicate(timeout=30)
         took = time.monotonic() - interrupted
     finally:
-        if demo.poll() is None:
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.wait()
-        left = processes_naming(workdir)
-        kill_leftovers(workdir)
+        left = stop_demo(demo, workdir)
     assert demo.returncode == 130, rest[-4000:]
     assert "interrupted; trainers and daemons stopped" in rest
     assert took < 15, took
