@@ -85,7 +85,10 @@ def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
                     w.send(f"go {key}")
                 replies = _answers(workers, timeout=timeout + 30.0)
                 sizes = sorted(r["group_size"] for r in replies)
-                errors = [r["max_error"] for r in replies if r["max_error"] is not None]
+                for w in workers:  # now that no round runs any more
+                    w.send("check")
+                errors = [r["max_error"] for r in _answers(workers, timeout=120.0)
+                          if r["max_error"] is not None]
                 out.max_error = max(out.max_error, *errors, 0.0)
                 label = "warm-up" if rep == 0 else f"repeat {rep}/{repeat}"
                 _log(f"moshpit {label}: {max(r['seconds'] for r in replies):.3f} s"
