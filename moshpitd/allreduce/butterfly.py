@@ -107,14 +107,17 @@ class ButterflyRound:
         start = time.monotonic()
         hard = deadline if hard is None else max(hard, deadline)
         self.fault.before_send()
-        weight = self.group.members[self.me].weight
-        for p in self.my_parts:
-            self.contribute(p, self.me, self.view.views(p), weight)
-        if not self._pending_own:
-            self._own_done.set()
         links = [OwnerLink(self, owner, parts) for owner, parts in self.by_owner.items()
                  if owner != self.me]
         tasks = [asyncio.create_task(self._exchange(link, deadline)) for link in links]
+        weight = self.group.members[self.me].weight
+        for p in self.my_parts:  # in place where it can: see PartReducer.seed
+            pieces = self.view.views(p)
+            if self.reducer.seed(p.index, self.me, weight,
+                                 pieces[0] if len(pieces) == 1 else pieces):
+                self._finalise(p.index)
+        if not self._pending_own:
+            self._own_done.set()
         try:
             await self._wait_for_senders(deadline, hard)
             await self._wait_for_owners(links, deadline + grace, hard + grace)
@@ -126,6 +129,7 @@ class ButterflyRound:
             raise
         finally:
             self.closed = True  # the trainer owns its buffer again: late events write nothing
+            self.reducer.settle()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -196,6 +200,8 @@ class ButterflyRound:
 
     def contribute(self, part: Part, sender: int, values: np.ndarray | list[np.ndarray],
                    weight: float | None = None) -> None:
+        if self.closed:
+            return  # the trainer's buffer is its own again
         if part.owner != self.me:
             raise ReductionError(f"part {part.index} is not reduced by member {self.me}")
         w = self.group.members[sender].weight if weight is None else weight

@@ -86,12 +86,13 @@ class Codec:
         q = np.frombuffer(payload[_SCALE * blocks:], dtype=np.int8)
         out = np.empty(n, dtype=np.float32)
         full = n // INT8_BLOCK * INT8_BLOCK
-        # int8 times its block's scale, cast inside the multiply: no float32 copy of q
-        np.multiply(q[:full].reshape(-1, INT8_BLOCK), scales[:full // INT8_BLOCK, None],
-                    out=out[:full].reshape(-1, INT8_BLOCK))
-        if full < n:
-            np.multiply(q[full:], scales[-1:], out=out[full:])  # an array, not a scalar:
-            # numpy 1.x would pick the float16 loop for a float32 scalar
+        with np.errstate(all="ignore"):  # a liar's scale of Inf makes NaN: callers check
+            # int8 times its block's scale, cast inside the multiply: no float32 copy of q
+            np.multiply(q[:full].reshape(-1, INT8_BLOCK), scales[:full // INT8_BLOCK, None],
+                        out=out[:full].reshape(-1, INT8_BLOCK))
+            if full < n:
+                np.multiply(q[full:], scales[-1:], out=out[full:])  # an array, not a scalar:
+                # numpy 1.x would pick the float16 loop for a float32 scalar
         return out
 
 

@@ -11,7 +11,12 @@ A robust aggregation (moshpitd/allreduce/robust.py) cannot accumulate: it keeps 
 contribution (one float64 row per sender, group size x part size per part) and aggregates the
 rows that arrived when the part becomes final. The mean never allocates those rows.
 
-The mean's accumulators come from a pool shared by the daemon's rounds: a fresh array per part
+Our own contribution to a part that lies in one piece of the trainer's buffer is not copied: that
+piece becomes the part's accumulator (`seed`), and the result is scaled in place. Nothing else
+writes there during the round, and `settle` divides whatever arrived so far if the round ends
+early, so the buffer never holds a bare sum.
+
+The other accumulators come from a pool shared by the daemon's rounds: a fresh array per part
 costs a page fault per 4 KiB (the kernel zeroes each page) and starts cold in the cache. A part
 whose result is written out with `result_into` gives its accumulator back at once, so a round
 cycles through about as many accumulators as it has parts in flight.
@@ -69,6 +74,7 @@ class _Slot:
     weight: float = 0.0
     mask: int = 0
     weights: np.ndarray | None = None  # robust: each sender's weight
+    borrowed: bool = False  # acc is a piece of the trainer's buffer: never pooled
 
 
 class PartReducer:
@@ -130,6 +136,34 @@ class PartReducer:
         slot.weight += weight
         slot.mask |= bit
         return self.is_final(part_index)
+
+    def seed(self, part_index: int, sender: int, weight: float,
+             target: np.ndarray | Sequence[np.ndarray]) -> bool:
+        """Adds our own (trusted) values by accumulating in place in `target`, where they are
+        (one piece of the trainer's buffer). Falls back to `add` where that cannot work: a
+        robust aggregation, a dtype that accumulates wider, a weight of 0 (the local values
+        must survive a round with no average). True when the part became final with it."""
+        slot = self._slots.get(part_index)
+        if not isinstance(target, np.ndarray) or slot is None or slot.acc is not None \
+                or self.aggregation != "mean" or target.dtype not in (np.float32, np.float64) \
+                or target.ndim != 1 or target.size != slot.part.numel or not weight > 0 \
+                or not 0 <= sender < self.expected:
+            return self.add(part_index, sender, weight, target, trusted=True)
+        if weight != 1.0:
+            np.multiply(target, weight, out=target)
+        slot.acc, slot.borrowed = target, True
+        slot.weight += weight
+        slot.mask |= 1 << sender
+        return self.is_final(part_index)
+
+    def settle(self) -> None:
+        """The round ends with parts still open: an accumulator that is the trainer's buffer
+        gets the mean of what arrived (never a bare sum)."""
+        for index, slot in self._slots.items():
+            if slot.borrowed and slot.acc is not None and index not in self._results:
+                if slot.weight != 1.0:
+                    slot.acc *= 1.0 / slot.weight
+                slot.acc = None
 
     def _scaled(self, values: np.ndarray, weight: float, dtype: np.dtype) -> np.ndarray:
         if self._scratch is None or self._scratch.size < values.size or \
@@ -218,11 +252,13 @@ class PartReducer:
             src = acc[pos:pos + piece.size]
             pos += piece.size
             if piece.dtype == acc.dtype:  # as `result` computes it, rounding included
-                np.multiply(src, 1.0 / slot.weight, out=piece)
+                if slot.weight != 1.0 or not np.shares_memory(src, piece):
+                    np.multiply(src, 1.0 / slot.weight, out=piece)
             else:
                 np.divide(src, slot.weight, out=piece)
         slot.acc = None
-        self.pool.give(acc)
+        if not slot.borrowed:
+            self.pool.give(acc)
 
     def _robust(self, part_index: int, slot: _Slot) -> np.ndarray:
         """The aggregate of the rows that arrived; once final, computed once and the rows
