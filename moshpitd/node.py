@@ -200,10 +200,8 @@ class MoshpitNode:
         task = asyncio.current_task()
         assert task is not None
         self._active[request.key] = task
-        try:
-            # NaN, Inf (and values fp16 would turn into Inf) are refused before a byte reaches
-            # a peer; in a thread, so the loop serves other rounds and peers meanwhile
-            await asyncio.to_thread(view.check_finite, request.codec == "fp16")
+        try:  # NaN, Inf (and values fp16 would turn into Inf): ButterflyRound checks each
+            # part before it is sent; a round spent alone checks everything (_refuse_alone)
             if request.grid is None:
                 rec, _, out = await self._one_round(request.key, request, view,
                                                     request.weight, request.timeout, None,
@@ -289,6 +287,7 @@ class MoshpitNode:
         except NoPartners as exc:  # the round's record goes with it (to the grid loop)
             exc.record = self.log.record(key, 1, 0, 0, start, time.monotonic(), "alone",
                                          request.codec)
+            await self._refuse_alone(view, request.codec)
             raise
         except ShuttingDown:
             self.log.record(key, 0, 0, 0, start, time.monotonic(), "shutting_down", request.codec)
@@ -298,6 +297,7 @@ class MoshpitNode:
                                   request.codec)
             if isinstance(exc, GroupNotFound):
                 exc.record = rec
+                await self._refuse_alone(view, request.codec)
             raise
         finally:
             del self.matchmakers[key]
@@ -325,6 +325,12 @@ class MoshpitNode:
                            start, assembled, outcome, group.codec, result.excluded_parts)
         return rec, group, (result.spans, tuple(m.peer_id.hex() for m in group.members),
                             result.owned)
+
+    @staticmethod
+    async def _refuse_alone(view: FlatView, codec: str) -> None:
+        """A round without partners never reaches the per-part checks, yet a request with
+        NaN or Inf must still be refused (in a grid run, a round alone would keep them)."""
+        await asyncio.to_thread(view.check_finite, codec == "fp16")
 
     async def _allreduce(self, group: Group, view: FlatView, final: float,
                          aggregation: str = "mean") -> RoundResult:

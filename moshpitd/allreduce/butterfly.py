@@ -9,6 +9,13 @@ waited for in STALL_WINDOW steps up to the round's hard deadline, one more budge
 parts it delivered stay in the mean. A reducer that fails, or returns NaN/Inf, leaves its part
 at our local values. Every result carries the bitmask of the senders it averages, so the caller
 learns exactly what each element is.
+
+Our own values are checked for NaN/Inf (and codec fp16's range) part by part, just before each
+part is sent or reduced, not in a separate pass over the whole request first: that pass read
+every byte from memory once more, and on a busy machine delayed the round's start. A bad part is
+never sent: the owner it was for gets ABORT and averages without us (for our own span, we stop
+contributing), the rest of the round runs as usual, and the trainer gets the error (LayoutError)
+at the end, with its other parts averaged.
 """
 
 from __future__ import annotations
@@ -26,7 +33,13 @@ import numpy as np
 from moshpitd.allreduce.codecs import Codec
 from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
-from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView, Part, plan_parts
+from moshpitd.allreduce.layout import (
+    DEFAULT_PART_BYTES,
+    FlatView,
+    LayoutError,
+    Part,
+    plan_parts,
+)
 from moshpitd.allreduce.links import STALL_WINDOW, OwnerLink, SenderSlot
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
 from moshpitd.transport.dataplane import (
@@ -63,6 +76,7 @@ class RoundResult:
 class ButterflyRound:
     seal_hello: Callable[[bytes, int, int], bytes] | None = None
     closed = False  # run() returned: the trainer's buffer is no longer ours
+    invalid: LayoutError | None = None  # our own values were refused (NaN/Inf)
 
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
                  connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
@@ -73,6 +87,7 @@ class ButterflyRound:
         self.me = my_index
         self.view = view
         self.codec = codec
+        self.fp16_range = codec.name == "fp16"  # values beyond it would be sent as Inf
         self.connect = connect
         self.fault = fault or FaultPlan()
         self.parts = plan_parts(view.runs, group.shares, part_bytes, codec)
@@ -112,6 +127,12 @@ class ButterflyRound:
         tasks = [asyncio.create_task(self._exchange(link, deadline)) for link in links]
         weight = self.group.members[self.me].weight
         for p in self.my_parts:  # in place where it can: see PartReducer.seed
+            try:
+                self.view.check_part(p, self.fp16_range)
+            except LayoutError as exc:  # our span is averaged without us from here on
+                self._refuse(exc)
+                self.exclude(self.me, "its own values hold NaN or Inf", "bad_data")
+                break
             pieces = self.view.views(p)
             if self.reducer.seed(p.index, self.me, weight,
                                  pieces[0] if len(pieces) == 1 else pieces):
@@ -139,7 +160,17 @@ class ButterflyRound:
                 self.bytes_sent += ch.bytes_out
                 self.bytes_received += ch.bytes_in
                 ch.close()
+        if self.invalid is not None:
+            raise self.invalid
         return self._result(time.monotonic() - start)
+
+    def _refuse(self, exc: LayoutError) -> None:
+        if self.invalid is None:
+            self.invalid = LayoutError(f"{exc} (found during the round: parts of the request "
+                                       "that were averaged before or beside it hold the "
+                                       "group's mean)")
+            log.warning("group %s: our trainer's values were refused: %s",
+                        self.group.group_id.hex()[:8], exc)
 
     async def _exchange(self, link: OwnerLink, deadline: float) -> None:
         member = self.group.members[link.owner]
@@ -158,6 +189,14 @@ class ButterflyRound:
                 if link.done.is_set():
                     break  # it failed or excluded us: nothing more to send
                 await self.fault.during_send(i)
+                await channel.writable()  # the part is checked, then copied out while warm
+                try:
+                    self.view.check_part(p, self.fp16_range)
+                except LayoutError as exc:
+                    self._refuse(exc)
+                    link.fail("our values hold NaN or Inf")
+                    channel.abort(f"member {self.me} refused its own values: {exc}")
+                    break
                 # straight from the trainer's buffer (codec none), piece by piece
                 await channel.send(PART, p.index, *self.codec.encode_pieces(self.view.views(p)))
             await link.done.wait()

@@ -218,6 +218,7 @@ class FlatView:
             np.frombuffer(buffer, dtype=s.dtype, count=s.numel, offset=s.offset)
             for s in self.specs
         ]
+        self._base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data if len(buffer) else 0
         # per run: (element offset inside the run, array) of each segment, then the run's end
         self._segments: list[list[tuple[int, np.ndarray]]] = []
         self._starts: list[list[int]] = []
@@ -274,27 +275,52 @@ class FlatView:
         return bytes(out), specs
 
     def check_finite(self, fp16: bool = False) -> None:
-        """No NaN or Inf; with `fp16`, nothing beyond its range either (one pass: min and
-        max per cache-sized chunk; every finite float16 fits, so those need no more)."""
+        """No NaN or Inf; with `fp16`, nothing beyond its range either."""
         for i, arr in enumerate(self._arrays):
-            flat = arr.reshape(-1)
-            if not fp16 or flat.dtype == np.float16:
-                if not all_finite(flat):
-                    raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
-                continue
-            for chunk in (flat[k:k + _CHUNK] for k in range(0, flat.size, _CHUNK)):
-                lo, hi = chunk.min(), chunk.max()
-                if not (np.isfinite(lo) and np.isfinite(hi)):
-                    raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
-                if max(-lo, hi) > FP16_MAX:
-                    raise LayoutError(f"tensor {i} holds {max(-lo, hi):.6g}, beyond codec fp16's "
-                                      "range (|x| <= 65504; it would arrive as Inf): use bf16")
+            _check_values(i, arr.reshape(-1), fp16)
+
+    def check_part(self, part: Part, fp16: bool = False) -> None:
+        """`check_finite` for one part, just before it is used: the part is read once more
+        while it is about to be sent anyway (no separate pass over the whole request)."""
+        for piece in self.views(part):
+            try:
+                _check_values(-1, piece, fp16)
+            except LayoutError:
+                self._name_culprit(piece, fp16)
+                raise
+
+    def _name_culprit(self, piece: np.ndarray, fp16: bool) -> None:
+        """Raises the error for the tensor that holds the piece's bad value."""
+        start = piece.ctypes.data - self._base
+        stop = start + piece.nbytes
+        for i, s in enumerate(self.specs):
+            lo, hi = max(start, s.offset), min(stop, s.offset + s.nbytes)
+            if lo < hi:
+                size = self._arrays[i].itemsize
+                _check_values(i, self._arrays[i].reshape(-1)[(lo - s.offset) // size:
+                                                             (hi - s.offset) // size], fp16)
 
     def write(self, part: Part, values: np.ndarray) -> None:
         pos = 0
         for piece in self.views(part):
             piece[:] = values[pos:pos + piece.size]
             pos += piece.size
+
+
+def _check_values(i: int, flat: np.ndarray, fp16: bool) -> None:
+    """Raises LayoutError naming tensor i. With `fp16`: one pass of min and max per
+    cache-sized chunk (every finite float16 fits, so those need no more)."""
+    if not fp16 or flat.dtype == np.float16:
+        if not all_finite(flat):
+            raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
+        return
+    for chunk in (flat[k:k + _CHUNK] for k in range(0, flat.size, _CHUNK)):
+        lo, hi = chunk.min(), chunk.max()
+        if not (np.isfinite(lo) and np.isfinite(hi)):
+            raise LayoutError(f"tensor {i} contains NaN or Inf: refusing to average it")
+        if max(-lo, hi) > FP16_MAX:
+            raise LayoutError(f"tensor {i} holds {max(-lo, hi):.6g}, beyond codec fp16's "
+                              "range (|x| <= 65504; it would arrive as Inf): use bf16")
 
 
 def specs_from_wire(tensors: Sequence[Any]) -> tuple[TensorSpec, ...]:

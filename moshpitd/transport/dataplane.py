@@ -147,6 +147,11 @@ class Channel(asyncio.BufferedProtocol):
         if not self._can_write.is_set():
             await self._can_write.wait()
 
+    async def writable(self) -> None:
+        """Until the transport takes more (flow control), without queueing anything."""
+        if not self._can_write.is_set():
+            await self._can_write.wait()
+
     def progress(self) -> int:
         """Bytes that really moved: received, plus sent minus what still waits in our write
         buffer (a large part on a slow link shows progress long before it is all out)."""

@@ -276,16 +276,45 @@ def test_victim_leaves_mid_round(swarm_factory: Callable[..., LocalSwarm], tmp_p
     assert_next_round_complete(clients, alive, ids)
 
 
+def _refused_beside_a_partner(a: moshpit.Client, b: moshpit.Client, bad: list[torch.Tensor],
+                              key: str, codec: str, match: str) -> None:
+    """`a` brings values it must refuse, `b` good ones: `a` gets InvalidRequest, and `b` a
+    result whose every element is its own value or the mean with `a`'s good values (the bad
+    part never left `a`), finite throughout."""
+    good = [torch.full_like(t, 3.0) for t in bad]
+    mean = [(torch.ones_like(t, dtype=torch.float64) + 3.0) / 2 for t in bad]  # a's good: 1
+    out = run_parallel([lambda: a.average(bad, key=key, timeout=10, codec=codec),
+                        lambda: b.average(good, key=key, timeout=10, codec=codec)])
+    assert isinstance(out[0], moshpit.InvalidRequest) and re.search(match, str(out[0])), out[0]
+    assert isinstance(out[1], list), out[1]
+    for got, own, avg, sent in zip(out[1], good, mean, bad, strict=True):
+        got64 = got.double()
+        assert torch.isfinite(got64).all(), got
+        ok = (got64 == own.double()) | ((got64 - avg).abs() <= 1e-3 * avg)
+        assert ok.all(), (got, sent)
+        nonfinite = ~torch.isfinite(sent.double()) | (sent.double().abs() > 65504.0)
+        if codec == "fp16":  # a's bad values never arrived: b keeps its own there
+            assert (got64[nonfinite] == 3.0).all(), got
+        else:
+            assert (got64[~torch.isfinite(sent.double())] == 3.0).all(), got
+
+
 def test_nan_zero_weights_and_duplicate_keys(swarm_factory: Callable[..., LocalSwarm]) -> None:
     swarm = swarm_factory(2)
     a, b = (moshpit.Client(s) for s in swarm.sockets)
+    n = 0
     for bad_value in (float("nan"), float("inf"), float("-inf")):
         for dtype in (torch.float32, torch.float64, torch.float16):
             bad = torch.ones(10, dtype=dtype)
             bad[3] = bad_value
             for codec in ("none", "fp16"):
-                with pytest.raises(moshpit.InvalidRequest, match="NaN or Inf"):
-                    a.average([torch.ones(4), bad], key="nan", timeout=5, codec=codec)
+                n += 1
+                _refused_beside_a_partner(a, b, [torch.ones(4), bad], f"nan-{n}", codec,
+                                          "tensor 1 contains NaN or Inf")
+    alone = torch.ones(10)  # no partner: the round never ran, the request is still refused
+    alone[2] = float("nan")
+    with pytest.raises(moshpit.InvalidRequest, match="tensor 0 contains NaN or Inf"):
+        a.average([alone], key="nan-alone", timeout=1)
     results = run_parallel([lambda c=c: c.average([torch.ones(10)], key="zero", weight=0.0,
                                                   timeout=10) for c in (a, b)])
     for r in results:
@@ -297,18 +326,22 @@ def test_nan_zero_weights_and_duplicate_keys(swarm_factory: Callable[..., LocalS
     assert isinstance(first[1], moshpit.DuplicateRequest), first
 
 
-def test_fp16_range_is_checked_at_request_time(swarm_factory: Callable[..., LocalSwarm]
+def test_fp16_range_is_checked_before_sending(swarm_factory: Callable[..., LocalSwarm]
                                                ) -> None:
     """fp16 would send 70000 as Inf and every reducer would exclude this honest peer as bad
-    data: the request is refused up front, naming the codec and the way out."""
+    data: the values are refused before they are sent, naming the codec and the way out."""
     swarm = swarm_factory(2)
     a, b = (moshpit.Client(s) for s in swarm.sockets)
-    for big in (70000.0, -1e6):
+    for i, big in enumerate((70000.0, -1e6)):
         for dtype in (torch.float32, torch.float64):
-            x = torch.zeros(300_000, dtype=dtype)
+            x = torch.ones(300_000, dtype=dtype)
             x[-5] = big
-            with pytest.raises(moshpit.InvalidRequest, match=r"tensor 1 .*codec fp16.*bf16"):
-                a.average([torch.ones(3), x], key="big", codec="fp16", timeout=5)
+            _refused_beside_a_partner(a, b, [torch.ones(3), x], f"big-{i}-{dtype}", "fp16",
+                                      r"tensor 1 .*codec fp16.*bf16")
+    x = torch.zeros(10)
+    x[1] = 1e5
+    with pytest.raises(moshpit.InvalidRequest, match=r"tensor 0 .*codec fp16.*bf16"):
+        a.average([x], key="big-alone", codec="fp16", timeout=1)
     edge = [torch.full((1000,), 65504.0), torch.full((10,), -65504.0, dtype=torch.float64)]
     out = run_parallel([lambda c=c: c.average(edge, key="edge", codec="fp16", timeout=10)
                         for c in (a, b)])

@@ -50,3 +50,25 @@ def test_values_fp16_carries_pass() -> None:
     assert np.isfinite(edge.astype(np.float16)).all()  # the bound is really fp16's
     with np.errstate(over="ignore"):
         assert not np.isfinite(np.float32(65520).astype(np.float16))
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_check_part_names_the_tensor_inside_a_part_that_spans_several(fp16: bool) -> None:
+    """Parts are checked one by one as they are sent (butterfly.py); a part that covers
+    several tensors still names the one holding the bad value, and good parts pass."""
+    from moshpitd.allreduce.layout import FlatView, Part
+
+    a, b, c = np.ones(100, np.float32), np.ones(50, np.float32), np.ones(100, np.float32)
+    b[49] = 1e6 if fp16 else np.nan
+    specs, offset = [], 0
+    for x in (a, b, c):  # back to back: one segment, parts cross tensor boundaries
+        specs.append(TensorSpec("float32", x.shape, offset))
+        offset += x.nbytes
+    buffer = memoryview(bytearray(offset))
+    for x, s in zip((a, b, c), specs, strict=True):
+        buffer[s.offset:s.offset + x.nbytes] = x.tobytes()
+    view = FlatView(buffer, specs)
+    view.check_part(Part(0, 0, 0, 149, 0), fp16)
+    view.check_part(Part(1, 0, 150, 250, 0), fp16)
+    with pytest.raises(LayoutError, match="tensor 1 "):
+        view.check_part(Part(2, 0, 120, 180, 0), fp16)

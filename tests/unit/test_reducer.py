@@ -263,3 +263,48 @@ def test_pieces_that_do_not_fill_the_part_rejected() -> None:
     with pytest.raises(ReductionError):
         red.add(0, 0, 1.0, [np.zeros(2, dtype=np.float32), np.zeros((1, 2), dtype=np.float32)])
     assert red.contributors(0) == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("weight", [1.0, 2.5])
+def test_seed_accumulates_in_the_trainers_buffer(dtype: type, weight: float) -> None:
+    """Our own values are not copied: the buffer piece is the accumulator, the result is
+    scaled in place, and the piece never goes to the pool (the trainer owns that memory)."""
+    pool = ArrayPool(1 << 20)
+    red = PartReducer([Part(0, 0, 0, 4, 0)], {0: np.dtype(dtype)}, 2, pool=pool)
+    buf = np.array([1, 2, 3, 4], dtype=dtype)
+    assert not red.seed(0, 0, weight, buf)
+    assert red._slots[0].acc is buf
+    assert red.add(0, 1, 1.0, np.full(4, 10, dtype=dtype))
+    red.result_into(0, [buf])
+    want = (weight * np.array([1, 2, 3, 4]) + 10) / (weight + 1)
+    np.testing.assert_allclose(buf, want, rtol=1e-6)
+    assert red.mask(0) == 0b11 and pool.held == 0
+
+
+def test_settle_leaves_the_mean_of_what_arrived_never_a_sum() -> None:
+    red = PartReducer([Part(0, 0, 0, 3, 0), Part(1, 0, 3, 6, 0)],
+                      {0: np.dtype(np.float32)}, 3)
+    buf = np.array([2, 2, 2, 6, 6, 6], dtype=np.float32)
+    red.seed(0, 0, 1.0, buf[:3])
+    red.seed(1, 0, 3.0, buf[3:])
+    red.add(0, 1, 1.0, np.full(3, 4, dtype=np.float32))  # sender 2 never comes
+    red.settle()
+    np.testing.assert_array_equal(buf, [3, 3, 3, 6, 6, 6])
+    red.settle()  # once only
+    np.testing.assert_array_equal(buf, [3, 3, 3, 6, 6, 6])
+
+
+@pytest.mark.parametrize("case", ["float16", "weight 0", "pieces", "robust"])
+def test_seed_falls_back_to_a_copy_where_in_place_cannot_work(case: str) -> None:
+    """float16 accumulates wider; weight 0 must leave the local values intact for a round
+    without an average; pieces and robust rows need their own memory."""
+    dtype = np.float16 if case == "float16" else np.float32
+    red = PartReducer([Part(0, 0, 0, 4, 0)], {0: np.dtype(dtype)}, 2,
+                      aggregation="trimmed_mean" if case == "robust" else "mean")
+    buf = np.array([1, 2, 3, 4], dtype=dtype)
+    values = [buf[:2], buf[2:]] if case == "pieces" else buf
+    red.seed(0, 0, 0.0 if case == "weight 0" else 1.0, values)
+    assert red._slots[0].acc is not None and not np.shares_memory(red._slots[0].acc, buf)
+    red.settle()
+    np.testing.assert_array_equal(buf, [1, 2, 3, 4])
