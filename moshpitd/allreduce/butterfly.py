@@ -10,12 +10,15 @@ parts it delivered stay in the mean. A reducer that fails, or returns NaN/Inf, l
 at our local values. Every result carries the bitmask of the senders it averages, so the caller
 learns exactly what each element is.
 
-Our own values are checked for NaN/Inf (and codec fp16's range) part by part, just before each
-part is sent or reduced, not in a separate pass over the whole request first: that pass read
-every byte from memory once more, and on a busy machine delayed the round's start. A bad part is
-never sent: the owner it was for gets ABORT and averages without us (for our own span, we stop
-contributing), the rest of the round runs as usual, and the trainer gets the error (LayoutError)
-at the end, with its other parts averaged.
+Our own values are not read in a separate pass before the round (that pass cost every byte of
+the request one more trip from memory, and on a busy machine delayed the round's start). Every
+owner checks each contribution anyway: one that refuses our part as NaN/Inf says so (ABORT with
+BAD_VALUES and the part), we check that part ourselves, and if the fault is ours the trainer gets
+the error (LayoutError naming the tensor) when the round ends; the owner averages without us.
+Our own span is checked where it is hot, as each part's result is computed: a part our values
+made NaN/Inf goes back to nobody (mask 0: every member keeps its own values there), and the
+trainer gets the same error. (With codec fp16 our span is also checked for fp16's range first,
+so that a value it cannot carry is refused wherever it lies.) The rest of the round runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from moshpitd.allreduce.layout import (
     FlatView,
     LayoutError,
     Part,
+    all_finite,
     plan_parts,
 )
 from moshpitd.allreduce.links import STALL_WINDOW, OwnerLink, SenderSlot
@@ -127,12 +131,13 @@ class ButterflyRound:
         tasks = [asyncio.create_task(self._exchange(link, deadline)) for link in links]
         weight = self.group.members[self.me].weight
         for p in self.my_parts:  # in place where it can: see PartReducer.seed
-            try:
-                self.view.check_part(p, self.fp16_range)
-            except LayoutError as exc:  # our span is averaged without us from here on
-                self._refuse(exc)
-                self.exclude(self.me, "its own values hold NaN or Inf", "bad_data")
-                break
+            if self.fp16_range:  # fp16 refuses what it could not carry wherever it lies,
+                try:             # though our own span's values never travel as fp16
+                    self.view.check_part(p, fp16=True)
+                except LayoutError as exc:  # our span is averaged without us from here on
+                    self._refuse(exc)
+                    self.exclude(self.me, "its own values are beyond fp16's range", "bad_data")
+                    break
             pieces = self.view.views(p)
             if self.reducer.seed(p.index, self.me, weight,
                                  pieces[0] if len(pieces) == 1 else pieces):
@@ -164,6 +169,15 @@ class ButterflyRound:
             raise self.invalid
         return self._result(time.monotonic() - start)
 
+    def recheck(self, index: int) -> None:
+        """An owner refused our part as data: if our values are to blame, remember it."""
+        p = self.part(index)
+        if p is not None and p.owner != self.me and not self.closed:
+            try:
+                self.view.check_part(p, self.fp16_range)
+            except LayoutError as exc:
+                self._refuse(exc)
+
     def _refuse(self, exc: LayoutError) -> None:
         if self.invalid is None:
             self.invalid = LayoutError(f"{exc} (found during the round: parts of the request "
@@ -189,14 +203,6 @@ class ButterflyRound:
                 if link.done.is_set():
                     break  # it failed or excluded us: nothing more to send
                 await self.fault.during_send(i)
-                await channel.writable()  # the part is checked, then copied out while warm
-                try:
-                    self.view.check_part(p, self.fp16_range)
-                except LayoutError as exc:
-                    self._refuse(exc)
-                    link.fail("our values hold NaN or Inf")
-                    channel.abort(f"member {self.me} refused its own values: {exc}")
-                    break
                 # straight from the trainer's buffer (codec none), piece by piece
                 await channel.send(PART, p.index, *self.codec.encode_pieces(self.view.views(p)))
             await link.done.wait()
@@ -274,6 +280,8 @@ class ButterflyRound:
                 self.reducer.result_into(index, pieces)
             else:  # kept whole: it is the one payload that goes back to each sender
                 self.view.write(part, self.reducer.result(index))
+            if not self._result_ok(pieces):
+                mask = 0  # every member keeps its own values here
         self.applied[index] = mask
         self._pending_own.discard(index)
         for sender, slot in self.slots.items():
@@ -281,6 +289,19 @@ class ButterflyRound:
                 slot.outbox.put_nowait(index)
         if not self._pending_own:
             self._own_done.set()
+
+    def _result_ok(self, pieces: list[np.ndarray]) -> bool:
+        """Contributions were checked as they arrived, so a result that is not finite (or
+        that fp16 cannot carry) comes from our own values (or overflowed): refuse it."""
+        if not self.fp16_range and all(all_finite(p) for p in pieces):
+            return True
+        try:
+            for piece in pieces:
+                self.view.check_piece(piece, self.fp16_range)
+        except LayoutError as exc:
+            self._refuse(exc)
+            return False
+        return True
 
     async def _wait_for_senders(self, deadline: float, hard: float) -> None:
         """Until our parts are final; exclude senders that stopped sending."""

@@ -280,14 +280,17 @@ class FlatView:
             _check_values(i, arr.reshape(-1), fp16)
 
     def check_part(self, part: Part, fp16: bool = False) -> None:
-        """`check_finite` for one part, just before it is used: the part is read once more
-        while it is about to be sent anyway (no separate pass over the whole request)."""
+        """`check_finite` for one part."""
         for piece in self.views(part):
-            try:
-                _check_values(-1, piece, fp16)
-            except LayoutError:
-                self._name_culprit(piece, fp16)
-                raise
+            self.check_piece(piece, fp16)
+
+    def check_piece(self, piece: np.ndarray, fp16: bool = False) -> None:
+        """`check_finite` for a view of this buffer, naming the tensor at fault."""
+        try:
+            _check_values(-1, piece, fp16)
+        except LayoutError:
+            self._name_culprit(piece, fp16)
+            raise
 
     def _name_culprit(self, piece: np.ndarray, fp16: bool) -> None:
         """Raises the error for the tensor that holds the piece's bad value."""

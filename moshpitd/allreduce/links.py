@@ -20,7 +20,14 @@ from moshpitd.allreduce.codecs import CodecError
 from moshpitd.allreduce.faults import STALL_SECONDS, poisoned
 from moshpitd.allreduce.layout import Part, all_finite
 from moshpitd.allreduce.reducer import ReductionError
-from moshpitd.transport.dataplane import ABORT, PART, RESULT, Channel, DataPlaneError
+from moshpitd.transport.dataplane import (
+    ABORT,
+    BAD_VALUES,
+    PART,
+    RESULT,
+    Channel,
+    DataPlaneError,
+)
 
 if TYPE_CHECKING:
     from moshpitd.allreduce.butterfly import ButterflyRound
@@ -74,8 +81,8 @@ class SenderSlot:
                 values = self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run])
                 self.rnd.contribute(p, self.sender, values)
             except (ReductionError, CodecError) as exc:
+                self.channel.abort(exc, part, BAD_VALUES)  # first: exclude's abort says less
                 self.rnd.exclude(self.sender, str(exc), "bad_data")
-                self.channel.abort(exc)
         elif kind == ABORT:
             self.rnd.exclude(self.sender, f"it aborted: {bytes(payload).decode(errors='replace')}",
                              "aborted")
@@ -93,7 +100,7 @@ class SenderSlot:
         sent = 0
         while True:
             index = await self.outbox.get()
-            mask = self.rnd.reducer.mask(index)
+            mask = self.rnd.applied.get(index, 0)
             payload = self.rnd.result_payload(index) if mask else b""
             if mask and self.rnd.fault.poison_result(sent):
                 p = self.rnd.parts[index]
@@ -140,6 +147,8 @@ class OwnerLink:
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == ABORT:
+            if aux == BAD_VALUES:  # were our values to blame? then our trainer hears of it
+                self.rnd.recheck(part)
             self.fail(bytes(payload).decode(errors="replace"))
             return
         if kind != RESULT:

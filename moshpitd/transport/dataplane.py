@@ -8,8 +8,9 @@ its destination (a reducer's staging buffer, or the trainer's buffer for average
 part that lies in several pieces of memory goes out as one frame of several payloads.
 
 Frame: 24-byte header (kind u8, flags u8, reserved u16, part u32, length u64, aux u64;
-little-endian), then `length` payload bytes. `aux` is the sender index in HELLO and the
-contributors bitmask in RESULT.
+little-endian), then `length` payload bytes. `aux` is the sender index in HELLO, the
+contributors bitmask in RESULT, and in ABORT a reason code (BAD_VALUES: the frame's part was
+refused as data, e.g. NaN/Inf, so its sender can check its own values and tell its trainer).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ HEADER = struct.Struct("<BBHIQQ")
 HELLO, PART, RESULT, ABORT = 1, 2, 3, 4
 KINDS = {HELLO, PART, RESULT, ABORT}
 MAX_CONTROL_PAYLOAD = 4096
+BAD_VALUES = 1  # ABORT's aux: the part named in the frame was refused as data
 
 
 class DataPlaneError(Exception):
@@ -147,11 +149,6 @@ class Channel(asyncio.BufferedProtocol):
         if not self._can_write.is_set():
             await self._can_write.wait()
 
-    async def writable(self) -> None:
-        """Until the transport takes more (flow control), without queueing anything."""
-        if not self._can_write.is_set():
-            await self._can_write.wait()
-
     def progress(self) -> int:
         """Bytes that really moved: received, plus sent minus what still waits in our write
         buffer (a large part on a slow link shows progress long before it is all out)."""
@@ -160,15 +157,15 @@ class Channel(asyncio.BufferedProtocol):
             pending = self.transport.get_write_buffer_size()
         return self.bytes_in + self.bytes_out - pending
 
-    def send_nowait(self, kind: int, part: int, payload: bytes = b"") -> None:
+    def send_nowait(self, kind: int, part: int, payload: bytes = b"", aux: int = 0) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(HEADER.pack(kind, 0, 0, part, len(payload), 0) + payload)
+            self.transport.write(HEADER.pack(kind, 0, 0, part, len(payload), aux) + payload)
 
-    def abort(self, exc: BaseException | str) -> None:
+    def abort(self, exc: BaseException | str, part: int = 0, code: int = 0) -> None:
         """Tell the peer why (best effort) and drop the connection."""
         message = str(exc).encode()[:MAX_CONTROL_PAYLOAD]
         log.debug("data channel aborted: %s", message.decode(errors="replace"))
-        self.send_nowait(ABORT, 0, message)
+        self.send_nowait(ABORT, part, message, aux=code)
         if self.transport is not None:
             self.transport.close()
         if not self.closed.done():
