@@ -44,7 +44,7 @@ from moshpitd.allreduce.layout import (
     all_finite,
     plan_parts,
 )
-from moshpitd.allreduce.links import STALL_WINDOW, OwnerLink, SenderSlot
+from moshpitd.allreduce.links import STAGING, STALL_WINDOW, OwnerLink, SenderSlot
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
 from moshpitd.transport.dataplane import (
     HELLO,
@@ -112,8 +112,15 @@ class ButterflyRound:
         self._pending_own = {p.index for p in self.my_parts}
         self._writers: set[asyncio.Task[None]] = set()
         self._channels: list[Channel] = []
+        self._staging: list[np.ndarray] = []
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    def staging(self) -> memoryview:
+        """A receive buffer for one part, from STAGING; back there when the round ends."""
+        buf = STAGING.take(self.max_part_bytes, np.dtype(np.uint8))
+        self._staging.append(buf)
+        return buf.data
 
     def part(self, index: int) -> Part | None:
         return self.parts[index] if 0 <= index < len(self.parts) else None
@@ -164,7 +171,9 @@ class ButterflyRound:
             for ch in self._channels:
                 self.bytes_sent += ch.bytes_out
                 self.bytes_received += ch.bytes_in
-                ch.close()
+                ch.close()  # nothing is received into staging buffers after this
+            for buf in self._staging:
+                STAGING.give(buf)
         if self.invalid is not None:
             raise self.invalid
         return self._result(time.monotonic() - start)

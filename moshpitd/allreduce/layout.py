@@ -219,6 +219,7 @@ class FlatView:
             for s in self.specs
         ]
         self._base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data if len(buffer) else 0
+        self._views: dict[tuple[int, int, int], list[np.ndarray]] = {}
         # per run: (element offset inside the run, array) of each segment, then the run's end
         self._segments: list[list[tuple[int, np.ndarray]]] = []
         self._starts: list[list[int]] = []
@@ -244,7 +245,15 @@ class FlatView:
             self._starts.append([start for start, _ in segments] + [run.numel])
 
     def views(self, part: Part) -> list[np.ndarray]:
-        """The part's values as views of the buffer, in order (one unless there is a gap)."""
+        """The part's values as views of the buffer, in order (one unless there is a gap).
+        Computed once per part (a round asks several times): callers must not modify it."""
+        key = (part.run, part.start, part.stop)
+        out = self._views.get(key)
+        if out is None:
+            out = self._views[key] = self._cut(part)
+        return out
+
+    def _cut(self, part: Part) -> list[np.ndarray]:
         segments, starts = self._segments[part.run], self._starts[part.run]
         k = bisect.bisect_right(starts, part.start) - 1
         out = []

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from moshpitd.allreduce.codecs import CodecError
 from moshpitd.allreduce.faults import STALL_SECONDS, poisoned
 from moshpitd.allreduce.layout import Part, all_finite
-from moshpitd.allreduce.reducer import ReductionError
+from moshpitd.allreduce.reducer import ArrayPool, ReductionError
 from moshpitd.transport.dataplane import (
     ABORT,
     BAD_VALUES,
@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from moshpitd.allreduce.butterfly import ButterflyRound
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
+
+# Receive buffers, reused across rounds: a fresh 1 MiB bytearray per link per round is zeroed
+# by the kernel page by page before the first frame lands in it.
+STAGING = ArrayPool(32 << 20)
+
 
 class Outbox(asyncio.Queue[int]):
     """Parts whose results still go back to one sender. Once its stream is gone nothing is kept
@@ -58,7 +63,7 @@ class SenderSlot:
         self.sender = sender
         self.channel = channel
         self.expected = {p.index for p in rnd.my_parts}
-        self.staging = bytearray(rnd.max_part_bytes)
+        self.staging = rnd.staging()
         self.outbox = Outbox()
         rnd.fault.accepted_sender()
 
@@ -71,7 +76,7 @@ class SenderSlot:
         want = self.rnd.codec.encoded_size(p.numel, self.rnd.dtypes[p.run])
         if length != want:
             raise DataPlaneError(f"part {part}: {length} bytes, expected {want}")
-        return memoryview(self.staging)[:length]
+        return self.staging[:length]
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == PART:
@@ -131,7 +136,7 @@ class OwnerLink:
         self.done = asyncio.Event()
         self.progress = asyncio.Event()  # set per result: the send window moves
         self.failure: str | None = None
-        self.staging = bytearray(rnd.max_part_bytes)  # results land here to be checked
+        self.staging = rnd.staging()  # results land here to be checked
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != RESULT:
@@ -143,7 +148,7 @@ class OwnerLink:
         want = self.rnd.codec.encoded_size(p.numel, dtype) if aux else 0
         if length != want:
             raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
-        return memoryview(self.staging)[:length]  # consumed by on_frame before the next frame
+        return self.staging[:length]  # consumed by on_frame before the next frame
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == ABORT:
