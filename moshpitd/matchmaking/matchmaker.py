@@ -146,6 +146,8 @@ class Matchmaker(Leading):
         while True:
             if self.assembled.done():
                 return self.assembled.result()
+            if self.accepting and 1 + len(self.followers) >= self.req.target_size:
+                return self._assemble()  # full: no need to look at the DHT first
             now = time.monotonic()
             candidates = await self._candidates()
             if self.probe is not None and self.followers:
