@@ -207,8 +207,8 @@ class ButterflyRound:
             await channel.send(HELLO, link.owner, hello, aux=self.me)
             for i, p in enumerate(self.by_owner[link.owner]):
                 while link.in_flight(i) >= self.max_in_flight and not link.done.is_set():
-                    link.answered.clear()  # the owner is behind: wait for its next answer
-                    await link.answered.wait()
+                    link.progress.clear()  # the owner is behind: wait for its next answer
+                    await link.progress.wait()
                 if link.done.is_set():
                     break  # it failed or excluded us: nothing more to send
                 await self.fault.during_send(i)
@@ -252,13 +252,8 @@ class ButterflyRound:
         task.add_done_callback(self._writers.discard)
         return slot
 
-    def raw_dtype(self, part: Part) -> np.dtype | None:
-        """The dtype of a part's wire bytes when they are its values (codec none)."""
-        return self.dtypes[part.run] if self.codec.name == "none" else None
-
     def contribute(self, part: Part, sender: int, values: np.ndarray | list[np.ndarray],
-                   weight: float | None = None, finite: bool | None = None) -> None:
-        """`finite`: already checked for NaN/Inf as the bytes arrived (None: not checked)."""
+                   weight: float | None = None) -> None:
         if self.closed:
             return  # the trainer's buffer is its own again
         if part.owner != self.me:
@@ -266,10 +261,7 @@ class ButterflyRound:
         w = self.group.members[sender].weight if weight is None else weight
         if sender != self.me:
             self.fault.while_reducing()
-        if finite is False:
-            raise ReductionError(f"sender {sender} sent non-finite values in part {part.index}")
-        if self.reducer.add(part.index, sender, w, values,
-                            trusted=sender == self.me or finite is True):
+        if self.reducer.add(part.index, sender, w, values, trusted=sender == self.me):
             self._finalise(part.index)
 
     def exclude(self, sender: int, why: str, fault: str = "other") -> None:

@@ -16,8 +16,6 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from moshpitd.allreduce.codecs import CodecError
 from moshpitd.allreduce.faults import STALL_SECONDS, poisoned
 from moshpitd.allreduce.layout import Part, all_finite
@@ -57,45 +55,7 @@ class Outbox(asyncio.Queue[int]):
             self.get_nowait()
 
 
-# Received bytes are checked for NaN/Inf once at least this many are new (and at the frame's
-# end), not once per frame: a 1 MiB part arrives in several reads, and by its last one the
-# first ones have left the cache (measured: ~90 us per MiB checked at the end of a frame
-# with 8 processes on 2 cores, against ~25 us per MiB for bytes the kernel just wrote). A
-# read brings ~400 KiB on loopback; steps of 64 KiB cost more calls than they saved.
-CHECK_STEP = 256 << 10
-
-
-class ChunkCheck:
-    """With codec none the wire bytes are the values: check each stretch as it lands."""
-
-    _dest = memoryview(b"")
-    _dtype: np.dtype | None = None
-    _checked = 0
-    finite = True
-
-    def expect(self, dest: memoryview, dtype: np.dtype | None) -> memoryview:
-        self._dest, self._dtype, self._checked, self.finite = dest, dtype, 0, True
-        return dest
-
-    def progress(self, filled: int) -> None:
-        """`filled` bytes of the current payload are in (Channel calls this per read)."""
-        if self._dtype is None or not self.finite:
-            return
-        end = filled - filled % self._dtype.itemsize
-        if end - self._checked >= CHECK_STEP or (end == len(self._dest) > self._checked):
-            chunk = np.frombuffer(self._dest[self._checked:end], dtype=self._dtype)
-            self.finite = all_finite(chunk)
-            self._checked = end
-
-    def checked(self) -> bool | None:
-        """For the frame just completed: finite or not, or None when it was not checked."""
-        if self._dtype is None:
-            return None
-        self.progress(len(self._dest))  # whatever no read reported yet
-        return self.finite
-
-
-class SenderSlot(ChunkCheck):
+class SenderSlot:
     """Reducer side: frames from one sender."""
 
     def __init__(self, rnd: ButterflyRound, sender: int, channel: Channel) -> None:
@@ -116,7 +76,7 @@ class SenderSlot(ChunkCheck):
         want = self.rnd.codec.encoded_size(p.numel, self.rnd.dtypes[p.run])
         if length != want:
             raise DataPlaneError(f"part {part}: {length} bytes, expected {want}")
-        return self.expect(self.staging[:length], self.rnd.raw_dtype(p))
+        return self.staging[:length]
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == PART:
@@ -124,7 +84,7 @@ class SenderSlot(ChunkCheck):
             p = self.rnd.parts[part]
             try:
                 values = self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run])
-                self.rnd.contribute(p, self.sender, values, finite=self.checked())
+                self.rnd.contribute(p, self.sender, values)
             except (ReductionError, CodecError) as exc:
                 self.channel.abort(exc, part, BAD_VALUES)  # first: exclude's abort says less
                 self.rnd.exclude(self.sender, str(exc), "bad_data")
@@ -165,7 +125,7 @@ class SenderSlot(ChunkCheck):
 STALL_WINDOW = 1.0
 
 
-class OwnerLink(ChunkCheck):
+class OwnerLink:
     """Sender side: averaged parts coming back from one owner."""
 
     def __init__(self, rnd: ButterflyRound, owner: int, parts: list[Part]) -> None:
@@ -174,7 +134,7 @@ class OwnerLink(ChunkCheck):
         self.waiting = {p.index for p in parts}
         self.total = len(parts)
         self.done = asyncio.Event()
-        self.answered = asyncio.Event()  # set per result: the send window moves
+        self.progress = asyncio.Event()  # set per result: the send window moves
         self.failure: str | None = None
         self.staging = rnd.staging()  # results land here to be checked
 
@@ -188,8 +148,7 @@ class OwnerLink(ChunkCheck):
         want = self.rnd.codec.encoded_size(p.numel, dtype) if aux else 0
         if length != want:
             raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
-        # consumed by on_frame before the next frame
-        return self.expect(self.staging[:length], self.rnd.raw_dtype(p) if aux else None)
+        return self.staging[:length]  # consumed by on_frame before the next frame
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == ABORT:
@@ -206,8 +165,7 @@ class OwnerLink(ChunkCheck):
             return
         if aux:
             values = self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run])
-            finite = self.checked()
-            if all_finite(values) if finite is None else finite:
+            if all_finite(values):
                 self.rnd.view.write(p, values)
             else:
                 log.warning("owner %d returned NaN or Inf for part %d: it keeps local values",
@@ -217,7 +175,7 @@ class OwnerLink(ChunkCheck):
         self.waiting.discard(part)
         if not self.waiting:
             self.done.set()
-        self.answered.set()
+        self.progress.set()
 
     def in_flight(self, sent: int) -> int:
         return sent - (self.total - len(self.waiting))
@@ -239,4 +197,4 @@ class OwnerLink(ChunkCheck):
             log.info("owner %d failed: %s; its %d remaining parts keep local values",
                      self.owner, why, len(self.waiting))
         self.done.set()
-        self.answered.set()
+        self.progress.set()

@@ -79,9 +79,6 @@ class _Hello:
                                  + (" sealed with the swarm key" if self.registry.auth else ""))
         return None
 
-    def progress(self, filled: int) -> None:
-        pass
-
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         assert self.channel is not None and self.channel.transport is not None
         self._opened()

@@ -47,9 +47,6 @@ class FrameSink(Protocol):
     def on_close(self, exc: BaseException | None) -> None:
         """The connection is gone."""
 
-    def progress(self, filled: int) -> None:
-        """`filled` bytes of the current payload have arrived (called per read)."""
-
 
 class Channel(asyncio.BufferedProtocol):
     """One TCP connection of the data plane, in either direction."""
@@ -87,11 +84,9 @@ class Channel(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
         self.bytes_in += nbytes
+        if self._filled < len(self._target):
+            return
         try:
-            if self._frame is not None and self.sink is not None:
-                self.sink.progress(self._filled)
-            if self._filled < len(self._target):
-                return
             if self._frame is None:
                 self._header_done()
             else:

@@ -36,15 +36,11 @@ def make_link(codec: str, dtype: str) -> tuple[OwnerLink, np.ndarray]:
 
 
 def deliver(link: OwnerLink, part: Part, values: np.ndarray, mask: int) -> None:
-    """As Channel does: the payload lands in reads of odd sizes (codec none checks each
-    stretch as it lands, the last one when the frame completes)."""
     with np.errstate(all="ignore"):  # int8 scales of Inf make NaN, as a liar's would
         payload = link.rnd.codec.encode(values)
     dest = link.buffer_for(RESULT, part.index, len(payload), mask)
     assert isinstance(dest, memoryview)
-    for cut in (0, 1001, 2 * len(payload) // 3):
-        dest[cut:] = payload[cut:]
-        link.progress(len(payload) if cut else 1001)
+    dest[:] = payload
     link.on_frame(RESULT, part.index, dest, mask)
 
 
@@ -76,24 +72,3 @@ def test_finite_result_is_written(codec: str, dtype: str) -> None:
     np.testing.assert_array_equal(link.rnd.view.read(part), want)
     np.testing.assert_array_equal(link.rnd.view.read(Part(9, 0, 0, part.start, 0)),
                                   local[:part.start])
-
-
-@pytest.mark.parametrize("at", [None, 0, 17_500, 17_501, 60_000, 99_999])
-@pytest.mark.parametrize("reads", [[3, 70_001, 200_000], [], [399_999]])
-def test_chunk_check_sees_a_bad_value_wherever_the_reads_cut(at: int | None,
-                                                              reads: list[int]) -> None:
-    """Reads end anywhere, even inside a float; each value is checked once it is whole, and
-    `checked` covers whatever no read reported."""
-    from moshpitd.allreduce.links import ChunkCheck
-
-    values = np.ones(100_000, dtype=np.float32)
-    if at is not None:
-        values[at] = np.nan
-    dest = memoryview(bytearray(values.tobytes()))
-    check = ChunkCheck()
-    check.expect(dest, np.dtype(np.float32))
-    for filled in reads:
-        check.progress(filled)
-    assert check.checked() is (at is None)
-    check.expect(dest, None)  # another codec: the values are checked after decoding
-    assert check.checked() is None
