@@ -72,3 +72,53 @@ def test_finite_result_is_written(codec: str, dtype: str) -> None:
     np.testing.assert_array_equal(link.rnd.view.read(part), want)
     np.testing.assert_array_equal(link.rnd.view.read(Part(9, 0, 0, part.start, 0)),
                                   local[:part.start])
+
+
+def make_single_piece_link(dtype: str) -> tuple[OwnerLink, np.ndarray]:
+    """Codec none and a part that is one piece of memory: the result lands in place."""
+    n = FIRST + SECOND
+    buffer = memoryview(bytearray(n * np.dtype(dtype).itemsize))
+    view = FlatView(buffer, [TensorSpec(dtype, (n,), 0)])
+    local = np.random.default_rng(1).standard_normal(n).astype(dtype)
+    view.write(Part(0, 0, 0, n, 0), local)
+    members = tuple(GroupMember(bytes([i]) * 20, f"e{i}", 1.0) for i in range(2))
+    group = Group(b"g" * 16, "k", 0, b"s" * 16, members, "none")
+    rnd = ButterflyRound(group, 0, view, get_codec("none"), no_connect, part_bytes=1 << 16)
+    return OwnerLink(rnd, 1, rnd.by_owner[1]), local
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("how", ["finite", "poisoned", "cut-off", "round-ends"])
+def test_result_landing_in_place_keeps_local_values_unless_it_is_whole_and_finite(
+        dtype: str, how: str) -> None:
+    link, local = make_single_piece_link(dtype)
+    (part,) = link.rnd.by_owner[1]
+    before = link.rnd.view.read(Part(9, 0, 0, FIRST + SECOND, 0)).copy()
+    values = (local[part.start:part.stop].astype(np.float64) / 2 + 1.0).astype(dtype)
+    if how == "poisoned":
+        values[len(values) // 2] = np.nan
+    payload = values.tobytes()
+    dest = link.buffer_for(RESULT, part.index, len(payload), 0b11)
+    assert isinstance(dest, memoryview)
+    in_place = link.rnd.view.views(part)[0]
+    assert np.shares_memory(np.frombuffer(dest, dtype=dtype), in_place)
+    if how in ("cut-off", "round-ends"):
+        dest[:len(payload) // 2] = payload[:len(payload) // 2]  # half of it arrived
+        if how == "cut-off":
+            link.on_close(ConnectionResetError("gone"))
+        else:
+            link.restore()  # what ButterflyRound.run does once its channels are closed
+        assert link.rnd.applied.get(part.index, 0) == 0
+        np.testing.assert_array_equal(link.rnd.view.read(Part(9, 0, 0, FIRST + SECOND, 0)),
+                                      before)
+        return
+    dest[:] = payload
+    link.on_frame(RESULT, part.index, dest, 0b11)
+    got = link.rnd.view.read(Part(9, 0, 0, FIRST + SECOND, 0))
+    if how == "poisoned":
+        assert link.rnd.applied[part.index] == 0
+        np.testing.assert_array_equal(got, before)
+    else:
+        assert link.rnd.applied[part.index] == 0b11
+        np.testing.assert_array_equal(got[part.start:part.stop], values)
+        np.testing.assert_array_equal(got[:part.start], before[:part.start])
