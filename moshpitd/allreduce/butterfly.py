@@ -172,8 +172,6 @@ class ButterflyRound:
                 self.bytes_sent += ch.bytes_out
                 self.bytes_received += ch.bytes_in
                 ch.close()  # nothing is received into staging buffers after this
-            for link in links:  # nor into the trainer's: undo results cut off mid-frame
-                link.restore()
             for buf in self._staging:
                 STAGING.give(buf)
         if self.invalid is not None:

@@ -1,15 +1,13 @@
 """The two ends of a butterfly round's streams: a reducer's slot for one sender's parts, and a
 sender's link to one reducer (owner) that returns averaged parts.
 
-An owner's results are untrusted like any contribution: each is checked for NaN/Inf before it
-counts, and a non-finite one leaves the part at our local values (mask 0). With codec none, a
-result that is one piece of the trainer's buffer lands there directly: when its header arrives,
-our local values of that part are set aside in the link's staging buffer, and they are put back
-if the result is poisoned, or if its stream breaks (or the round ends) mid-frame. That copy is
-cheaper than receiving into staging and copying from there: the kernel writes received bytes
-past the cache, so staging meant reading them back from memory and then writing the trainer's
-buffer (4x32M: daemon CPU 0.72 -> 0.68 CPU-s per round with no copy at all). Other results
-are received into staging, checked and copied.
+An owner's results are untrusted like any contribution: each is received into the link's staging
+buffer, checked for NaN/Inf, and only then copied into the trainer's buffer; a non-finite one
+leaves the part at our local values (mask 0). Receiving straight into the trainer's buffer would
+save that copy, but a poisoned result would then have overwritten the very values we must fall
+back to, and their only other copy went to that owner. (Setting our values aside as a result's
+header arrives, and receiving in place, was measured and is no cheaper: the kernel writes
+received bytes past the cache either way, so one part-sized read from memory stays.)
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from moshpitd.allreduce.codecs import CodecError
 from moshpitd.allreduce.faults import STALL_SECONDS, poisoned
@@ -140,8 +136,7 @@ class OwnerLink:
         self.done = asyncio.Event()
         self.progress = asyncio.Event()  # set per result: the send window moves
         self.failure: str | None = None
-        self.staging = rnd.staging()  # results land here to be checked (or local values wait)
-        self._landing: tuple[int, np.ndarray, np.ndarray] | None = None  # part, place, saved
+        self.staging = rnd.staging()  # results land here to be checked
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != RESULT:
@@ -153,21 +148,7 @@ class OwnerLink:
         want = self.rnd.codec.encoded_size(p.numel, dtype) if aux else 0
         if length != want:
             raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
-        if aux and self.rnd.codec.name == "none" and not self.rnd.closed:
-            pieces = self.rnd.view.views(p)
-            if len(pieces) == 1:  # straight into place; our values wait in staging
-                saved = np.frombuffer(self.staging, dtype=dtype, count=p.numel)
-                np.copyto(saved, pieces[0])
-                self._landing = (part, pieces[0], saved)
-                return pieces[0].data.cast("B")
         return self.staging[:length]  # consumed by on_frame before the next frame
-
-    def restore(self) -> None:
-        """A result that was landing in place did not complete: our values go back."""
-        if self._landing is not None:
-            _, place, saved = self._landing
-            self._landing = None
-            place[:] = saved
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == ABORT:
@@ -182,17 +163,13 @@ class OwnerLink:
         if aux and (aux >> len(self.rnd.group.members)):
             self.fail(f"result {part} names members that do not exist")
             return
-        landed = self._landing is not None and self._landing[0] == part
         if aux:
             values = self.rnd.codec.decode(payload, p.numel, self.rnd.dtypes[p.run])
             if all_finite(values):
-                if not landed:
-                    self.rnd.view.write(p, values)
-                self._landing = None
+                self.rnd.view.write(p, values)
             else:
                 log.warning("owner %d returned NaN or Inf for part %d: it keeps local values",
                             self.owner, part)
-                self.restore()
                 aux = 0
         self.rnd.applied[part] = aux
         self.waiting.discard(part)
@@ -207,7 +184,6 @@ class OwnerLink:
         """Closed without a word: its daemon is gone (or its round is over), so its parts will
         not come either; that holds even when all its results are in and it never connected
         to us as a sender, which would otherwise leave us waiting for the deadline."""
-        self.restore()  # a result cut off mid-frame
         if self.failure is not None:
             return
         if self.waiting:
