@@ -200,8 +200,8 @@ class MoshpitNode:
         task = asyncio.current_task()
         assert task is not None
         self._active[request.key] = task
-        try:  # NaN, Inf (and values fp16 would turn into Inf): ButterflyRound checks each
-            # part before it is sent; a round spent alone checks everything (_refuse_alone)
+        try:  # NaN, Inf (and values fp16 would turn into Inf): reducers check every part they
+            # receive, ButterflyRound our own span; a round spent alone checks everything
             if request.grid is None:
                 rec, _, out = await self._one_round(request.key, request, view,
                                                     request.weight, request.timeout, None,

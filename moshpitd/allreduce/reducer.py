@@ -252,7 +252,7 @@ class PartReducer:
             src = acc[pos:pos + piece.size]
             pos += piece.size
             if piece.dtype == acc.dtype:  # as `result` computes it, rounding included
-                if slot.weight != 1.0 or not np.shares_memory(src, piece):
+                if slot.weight != 1.0 or not slot.borrowed:  # borrowed: src is piece
                     np.multiply(src, 1.0 / slot.weight, out=piece)
             else:
                 np.divide(src, slot.weight, out=piece)
