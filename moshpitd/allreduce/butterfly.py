@@ -43,7 +43,7 @@ from moshpitd.allreduce.layout import (
     Part,
     plan_parts,
 )
-from moshpitd.allreduce.links import STAGING, STALL_WINDOW, OwnerLink, SenderSlot
+from moshpitd.allreduce.links import STAGING, STALL_WINDOW, OwnerLink, SenderSlot, all_ready
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
 from moshpitd.transport.dataplane import (
     HELLO,
@@ -134,6 +134,7 @@ class ButterflyRound:
         self.fault.before_send()
         links = [OwnerLink(self, owner, parts) for owner, parts in self.by_owner.items()
                  if owner != self.me]
+        self.links = links
         tasks = [asyncio.create_task(self._exchange(link, deadline)) for link in links]
         weight = self.group.members[self.me].weight
         for p in self.my_parts:  # in place where it can: see PartReducer.seed
@@ -204,6 +205,7 @@ class ButterflyRound:
             if self.seal_hello is not None:  # swarm key: reducers only take sealed streams
                 hello = self.seal_hello(hello, self.me, link.owner)
             await channel.send(HELLO, link.owner, hello, aux=self.me)
+            await all_ready(self.links, deadline)
             for i, p in enumerate(self.by_owner[link.owner]):
                 while link.in_flight(i) >= self.max_in_flight and not link.done.is_set():
                     link.progress.clear()  # the owner is behind: wait for its next answer

@@ -13,7 +13,9 @@ received bytes past the cache either way, so one part-sized read from memory sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from moshpitd.allreduce.codecs import CodecError
@@ -24,6 +26,7 @@ from moshpitd.transport.dataplane import (
     ABORT,
     BAD_VALUES,
     PART,
+    READY,
     RESULT,
     Channel,
     DataPlaneError,
@@ -120,6 +123,20 @@ class SenderSlot:
                 return  # the sender is gone; its link will report that on its side
 
 
+# A member streams its parts once every owner has the round (it answers our HELLO with READY),
+# or START_WAIT after it connected. Members learn of their group up to ~20-30 ms apart on a busy
+# machine: those that stream meanwhile take the CPU the late one needs to learn of it, and then
+# it is left alone with its share of the work at the end of the round, one core idle.
+START_WAIT = 0.25
+
+
+async def all_ready(links: list[OwnerLink], deadline: float) -> None:
+    wait = min(deadline - time.monotonic(), START_WAIT)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max(wait, 0)):
+            await asyncio.gather(*(link.ready.wait() for link in links))
+
+
 # Past the round's deadline, a peer must show new bytes this often to be waited for, and never
 # beyond the round's hard deadline (node.py: one more budget, so at most twice the budget).
 STALL_WINDOW = 1.0
@@ -137,6 +154,7 @@ class OwnerLink:
         self.progress = asyncio.Event()  # set per result: the send window moves
         self.failure: str | None = None
         self.staging = rnd.staging()  # results land here to be checked
+        self.ready = asyncio.Event()  # READY came (or the owner failed): see START_WAIT
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != RESULT:
@@ -151,6 +169,9 @@ class OwnerLink:
         return self.staging[:length]  # consumed by on_frame before the next frame
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        if kind == READY:
+            self.ready.set()
+            return
         if kind == ABORT:
             if aux == BAD_VALUES:  # were our values to blame? then our trainer hears of it
                 self.rnd.recheck(part)
@@ -176,6 +197,7 @@ class OwnerLink:
         if not self.waiting:
             self.done.set()
         self.progress.set()
+        self.ready.set()
 
     def in_flight(self, sent: int) -> int:
         return sent - (self.total - len(self.waiting))
@@ -198,3 +220,4 @@ class OwnerLink:
                      self.owner, why, len(self.waiting))
         self.done.set()
         self.progress.set()
+        self.ready.set()

@@ -15,6 +15,7 @@ from moshpitd.allreduce.butterfly import ButterflyRound
 from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
 from moshpitd.transport.dataplane import (
     HELLO,
+    READY,
     Channel,
     DataPlaneError,
     FrameSink,
@@ -187,6 +188,7 @@ class RoundRegistry:
             if receiver != rnd.me:
                 raise DataPlaneError(f"stream meant for member {receiver}, this is {rnd.me}")
             channel.sink = rnd.accept(sender, channel)
+            channel.send_nowait(READY, rnd.me)
         except (TimeoutError, DataPlaneError) as exc:
             pending = self._rounds.get(group_id)
             if pending is not None and not pending.done():

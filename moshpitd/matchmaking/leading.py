@@ -17,7 +17,9 @@ from moshpitd.proto import moshpit_pb2 as pb
 
 log = logging.getLogger("moshpitd.matchmaking.matchmaker")
 
-PROTOCOL_VERSION = 1
+# 2: owners answer a data-plane HELLO with READY (a daemon of version 1 would take that frame
+# for a protocol error), so daemons of different versions do not form groups.
+PROTOCOL_VERSION = 2
 
 
 @dataclass

@@ -11,6 +11,8 @@ Frame: 24-byte header (kind u8, flags u8, reserved u16, part u32, length u64, au
 little-endian), then `length` payload bytes. `aux` is the sender index in HELLO, the
 contributors bitmask in RESULT, and in ABORT a reason code (BAD_VALUES: the frame's part was
 refused as data, e.g. NaN/Inf, so its sender can check its own values and tell its trainer).
+A stream opens with the sender's HELLO; the owner answers READY (empty) once the stream is
+attached to its round, and the sender streams its parts from then on (links.START_WAIT).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Protocol, cast
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<BBHIQQ")
-HELLO, PART, RESULT, ABORT = 1, 2, 3, 4
-KINDS = {HELLO, PART, RESULT, ABORT}
+HELLO, PART, RESULT, ABORT, READY = 1, 2, 3, 4, 5
+KINDS = {HELLO, PART, RESULT, ABORT, READY}
 MAX_CONTROL_PAYLOAD = 4096
 BAD_VALUES = 1  # ABORT's aux: the part named in the frame was refused as data
 

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moshpit
+from moshpitd.matchmaking.leading import PROTOCOL_VERSION
 from moshpitd.proto import moshpit_pb2 as pb
 from tests.fuzz.strategies import U64, endpoints, floats, texts
 from tests.fuzz.target import (
@@ -48,7 +49,9 @@ join_fields: dict[str, st.SearchStrategy[Any]] = {
         max_size=20)),
     "weight": st.one_of(st.floats(0, 10), floats),
     "client_mode": st.booleans(),
-    "protocol_version": st.one_of(st.just(1), st.just(1), st.sampled_from([0, 2, U32]),
+    "protocol_version": st.one_of(st.just(PROTOCOL_VERSION), st.just(PROTOCOL_VERSION),
+                                  st.sampled_from([0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1,
+                                                   U32]),
                                   st.integers(0, U32)),
     "data_endpoint": endpoints,
     "bandwidth": st.one_of(st.floats(0, 10), floats),
@@ -63,7 +66,7 @@ def join_requests(draw: st.DrawFn) -> pb.JoinRequest:
     fields: dict[str, Any] = {
         "group_key": LURE_KEY, "peer_id": draw(st.binary(min_size=20, max_size=20)),
         "endpoint": "127.0.0.1:1", "schema_hash": LURE_SCHEMA, "weight": 1.0,
-        "protocol_version": 1, "data_endpoint": draw(endpoints), "bandwidth": 1.0,
+        "protocol_version": PROTOCOL_VERSION, "data_endpoint": draw(endpoints), "bandwidth": 1.0,
         "codec": "none"}
     for name in draw(st.lists(st.sampled_from(sorted(join_fields)), max_size=4, unique=True)):
         fields[name] = draw(join_fields[name])

@@ -9,6 +9,7 @@ from typing import Any
 
 from moshpitd.allreduce import registry as reg
 from moshpitd.allreduce.registry import RoundRegistry
+from moshpitd.transport.dataplane import READY
 
 
 class FakeChannel:
@@ -16,6 +17,10 @@ class FakeChannel:
         self.aborted: str | None = None
         self.transport = None
         self.sink: Any = None
+        self.sent: list[tuple[int, int]] = []
+
+    def send_nowait(self, kind: int, part: int, payload: bytes = b"", aux: int = 0) -> None:
+        self.sent.append((kind, part))
 
     def abort(self, why: object) -> None:
         self.aborted = str(why)
@@ -32,10 +37,12 @@ def test_a_stream_for_an_ended_round_is_refused_at_once() -> None:
         live = FakeChannel()
         await registry.route(live, gid, 0, 1)  # type: ignore[arg-type]
         assert accepted == [0] and live.aborted is None and live.sink == "sink"
+        assert live.sent == [(READY, 1)]  # the sender may stream now
         registry.unregister(gid)
         late = FakeChannel()
         started = time.monotonic()
         await registry.route(late, gid, 2, 1)  # type: ignore[arg-type]
+        assert late.sent == []
         return late.aborted, time.monotonic() - started, live.aborted
 
     aborted, waited, live_aborted = asyncio.run(scenario())
