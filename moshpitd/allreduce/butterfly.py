@@ -46,6 +46,7 @@ from moshpitd.allreduce.layout import (
 from moshpitd.allreduce.links import STAGING, STALL_WINDOW, OwnerLink, SenderSlot, all_ready
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
 from moshpitd.transport.dataplane import (
+    HEADER,
     HELLO,
     PART,
     Channel,
@@ -117,7 +118,7 @@ class ButterflyRound:
 
     def staging(self) -> memoryview:
         """A receive buffer for one part, from STAGING; back there when the round ends."""
-        buf = STAGING.take(self.max_part_bytes, np.dtype(np.uint8))
+        buf = STAGING.take(self.max_part_bytes + HEADER.size, np.dtype(np.uint8))
         self._staging.append(buf)
         return buf.data
 

@@ -79,7 +79,7 @@ class SenderSlot:
         want = self.rnd.codec.encoded_size(p.numel, self.rnd.dtypes[p.run])
         if length != want:
             raise DataPlaneError(f"part {part}: {length} bytes, expected {want}")
-        return self.staging[:length]
+        return self.staging  # it has room for the next header past the payload
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == PART:
@@ -166,7 +166,7 @@ class OwnerLink:
         want = self.rnd.codec.encoded_size(p.numel, dtype) if aux else 0
         if length != want:
             raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
-        return self.staging[:length]  # consumed by on_frame before the next frame
+        return self.staging  # consumed by on_frame before the next frame
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == READY:

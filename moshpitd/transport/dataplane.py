@@ -40,8 +40,9 @@ class DataPlaneError(Exception):
 
 class FrameSink(Protocol):
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        """Where the payload goes (exactly `length` bytes), or None for a fresh buffer.
-        Raise DataPlaneError to refuse the frame."""
+        """Where the payload goes (`length` bytes, and up to HEADER.size more that the next
+        header may land in), or None for a fresh buffer. Raise DataPlaneError to refuse the
+        frame."""
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         """A whole frame arrived."""
@@ -60,6 +61,7 @@ class Channel(asyncio.BufferedProtocol):
         self._hdr = bytearray(HEADER.size)
         self._target = memoryview(self._hdr)
         self._filled = 0
+        self._want = HEADER.size  # bytes of _target that complete what we read
         self._frame: tuple[int, int, int, int] | None = None  # kind, part, length, aux
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -86,7 +88,7 @@ class Channel(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
         self.bytes_in += nbytes
-        if self._filled < len(self._target):
+        if self._filled < self._want:
             return
         try:
             if self._frame is None:
@@ -108,20 +110,27 @@ class Channel(asyncio.BufferedProtocol):
                 else None)
         if dest is None:
             dest = memoryview(bytearray(length))
-        elif len(dest) != length:
-            raise DataPlaneError("internal: destination buffer has the wrong size")
-        self._target, self._filled = dest, 0
+        elif len(dest) < length:
+            raise DataPlaneError("internal: destination buffer is too small")
+        # Room past the payload (data frames) takes the next frame's header in the same read:
+        # one recv per frame, not two. `_payload_done` moves those bytes to the header buffer.
+        self._target, self._filled, self._want = dest[:length + HEADER.size], 0, length
         if length == 0:
             self._payload_done()
 
     def _payload_done(self) -> None:
         assert self._frame is not None
-        kind, part, _, aux = self._frame
-        payload = self._target
+        kind, part, length, aux = self._frame
+        payload = self._target[:length]
+        spill = self._filled - length  # bytes of the next header that came along
         self._frame = None
-        self._target, self._filled = memoryview(self._hdr), 0
+        if spill:
+            self._hdr[:spill] = self._target[length:self._filled]
+        self._target, self._filled, self._want = memoryview(self._hdr), spill, HEADER.size
         if self.sink is not None:
             self.sink.on_frame(kind, part, payload, aux)
+        if spill == HEADER.size and not self.closed.done():  # (on_frame may have aborted)
+            self._header_done()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._can_write.set()

@@ -39,7 +39,8 @@ def deliver(link: OwnerLink, part: Part, values: np.ndarray, mask: int) -> None:
     with np.errstate(all="ignore"):  # int8 scales of Inf make NaN, as a liar's would
         payload = link.rnd.codec.encode(values)
     dest = link.buffer_for(RESULT, part.index, len(payload), mask)
-    assert isinstance(dest, memoryview)
+    assert isinstance(dest, memoryview) and len(dest) >= len(payload)  # room for a header
+    dest = dest[:len(payload)]
     dest[:] = payload
     link.on_frame(RESULT, part.index, dest, mask)
 
