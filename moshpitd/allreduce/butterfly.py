@@ -43,7 +43,7 @@ from moshpitd.allreduce.layout import (
     Part,
     plan_parts,
 )
-from moshpitd.allreduce.links import STAGING, STALL_WINDOW, OwnerLink, SenderSlot, all_ready
+from moshpitd.allreduce.links import STAGING, STALL_WINDOW, OwnerLink, ReadyGate, SenderSlot
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
 from moshpitd.transport.dataplane import (
     HEADER,
@@ -99,6 +99,7 @@ class ButterflyRound:
         for p in self.parts:
             self.by_owner[p.owner].append(p)
         self.my_parts = self.by_owner.get(my_index, [])
+        self.gate = ReadyGate(sum(1 for owner in self.by_owner if owner != my_index))
         self.dtypes = {i: np.dtype(r.dtype) for i, r in enumerate(view.runs)}
         self.max_part_bytes = max([codec.encoded_size(p.numel, self.dtypes[p.run])
                                    for p in self.parts] or [0])
@@ -117,7 +118,8 @@ class ButterflyRound:
         self.bytes_received = 0
 
     def staging(self) -> memoryview:
-        """A receive buffer for one part, from STAGING; back there when the round ends."""
+        """A receive buffer for one part and the next frame's header, from STAGING; back
+        there when the round ends."""
         buf = STAGING.take(self.max_part_bytes + HEADER.size, np.dtype(np.uint8))
         self._staging.append(buf)
         return buf.data
@@ -135,7 +137,6 @@ class ButterflyRound:
         self.fault.before_send()
         links = [OwnerLink(self, owner, parts) for owner, parts in self.by_owner.items()
                  if owner != self.me]
-        self.links = links
         tasks = [asyncio.create_task(self._exchange(link, deadline)) for link in links]
         weight = self.group.members[self.me].weight
         for p in self.my_parts:  # in place where it can: see PartReducer.seed
@@ -206,7 +207,7 @@ class ButterflyRound:
             if self.seal_hello is not None:  # swarm key: reducers only take sealed streams
                 hello = self.seal_hello(hello, self.me, link.owner)
             await channel.send(HELLO, link.owner, hello, aux=self.me)
-            await all_ready(self.links, deadline)
+            await self.gate.wait(deadline)  # every owner has the round: see START_WAIT
             for i, p in enumerate(self.by_owner[link.owner]):
                 while link.in_flight(i) >= self.max_in_flight and not link.done.is_set():
                     link.progress.clear()  # the owner is behind: wait for its next answer
@@ -221,7 +222,7 @@ class ButterflyRound:
             # nobody listens there: it died, so do not wait for its parts either
             link.fail(f"cannot connect: {exc!r}")
             self.exclude(link.owner, "its data plane refuses connections", "disconnected")
-        except (OSError, DataPlaneError) as exc:
+        except (OSError, ValueError, DataPlaneError) as exc:  # ValueError: a bad endpoint
             silent = link.failure is None  # no ABORT came: it died or broke the protocol
             link.fail(f"cannot stream to it: {exc!r}")
             if silent:

@@ -124,17 +124,31 @@ class SenderSlot:
 
 
 # A member streams its parts once every owner has the round (it answers our HELLO with READY),
-# or START_WAIT after it connected. Members learn of their group up to ~20-30 ms apart on a busy
-# machine: those that stream meanwhile take the CPU the late one needs to learn of it, and then
-# it is left alone with its share of the work at the end of the round, one core idle.
+# or START_WAIT after the round started. Members learn of their group up to ~20-30 ms apart on a
+# busy machine: those that stream meanwhile take the CPU the late one needs to learn of it, and
+# then it is left alone with its share of the work at the end of the round, one core idle.
 START_WAIT = 0.25
 
 
-async def all_ready(links: list[OwnerLink], deadline: float) -> None:
-    wait = min(deadline - time.monotonic(), START_WAIT)
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(max(wait, 0)):
-            await asyncio.gather(*(link.ready.wait() for link in links))
+class ReadyGate:
+    """Every owner READY (or failed): one event per round, whatever the group's size."""
+
+    def __init__(self, owners: int) -> None:
+        self.left = owners
+        self.until = time.monotonic() + START_WAIT
+        self.event = asyncio.Event()
+        if owners <= 0:
+            self.event.set()
+
+    def mark(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.event.set()
+
+    async def wait(self, deadline: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(min(self.until, deadline) - time.monotonic(), 0)):
+                await self.event.wait()
 
 
 # Past the round's deadline, a peer must show new bytes this often to be waited for, and never
@@ -154,7 +168,7 @@ class OwnerLink:
         self.progress = asyncio.Event()  # set per result: the send window moves
         self.failure: str | None = None
         self.staging = rnd.staging()  # results land here to be checked
-        self.ready = asyncio.Event()  # READY came (or the owner failed): see START_WAIT
+        self.ready = False  # READY came (or the owner failed): see START_WAIT
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != RESULT:
@@ -170,7 +184,7 @@ class OwnerLink:
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == READY:
-            self.ready.set()
+            self._ready()
             return
         if kind == ABORT:
             if aux == BAD_VALUES:  # were our values to blame? then our trainer hears of it
@@ -197,7 +211,6 @@ class OwnerLink:
         if not self.waiting:
             self.done.set()
         self.progress.set()
-        self.ready.set()
 
     def in_flight(self, sent: int) -> int:
         return sent - (self.total - len(self.waiting))
@@ -220,4 +233,9 @@ class OwnerLink:
                      self.owner, why, len(self.waiting))
         self.done.set()
         self.progress.set()
-        self.ready.set()
+        self._ready()
+
+    def _ready(self) -> None:
+        if not self.ready:
+            self.ready = True
+            self.rnd.gate.mark()

@@ -14,6 +14,7 @@ from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.matchmaking.declaration import Candidate
 from moshpitd.matchmaking.request import MatchRequest, Self
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.dataplane import split_endpoint
 
 log = logging.getLogger("moshpitd.matchmaking.matchmaker")
 
@@ -95,7 +96,8 @@ class Leading:
         if request.protocol_version != PROTOCOL_VERSION:
             return no(pb.PROTOCOL_MISMATCH, f"protocol {request.protocol_version} != "
                                             f"{PROTOCOL_VERSION}")
-        if (len(request.peer_id) != 20 or not request.endpoint or not request.data_endpoint
+        if (len(request.peer_id) != 20 or not request.endpoint
+                or not _valid_endpoint(request.data_endpoint)
                 or not request.weight >= 0 or not math.isfinite(request.weight)
                 or not (math.isfinite(request.bandwidth) and request.bandwidth >= 0)):
             return no(pb.BAD_REQUEST, "peer id, endpoints, weight or bandwidth malformed")
@@ -119,6 +121,15 @@ class Leading:
         if 1 + len(self.followers) >= self.req.target_size:
             return no(pb.GROUP_FULL, f"group already has {self.req.target_size} members")
         return None
+
+
+def _valid_endpoint(endpoint: str) -> bool:
+    """host:port, as members will connect to it (the group would carry a bad one to all)."""
+    try:
+        host, port = split_endpoint(endpoint)
+    except ValueError:
+        return False
+    return bool(host) and 0 < port < 65536
 
 
 def not_looking(key: str) -> pb.JoinResponse:

@@ -12,7 +12,8 @@ little-endian), then `length` payload bytes. `aux` is the sender index in HELLO,
 contributors bitmask in RESULT, and in ABORT a reason code (BAD_VALUES: the frame's part was
 refused as data, e.g. NaN/Inf, so its sender can check its own values and tell its trainer).
 A stream opens with the sender's HELLO; the owner answers READY (empty) once the stream is
-attached to its round, and the sender streams its parts from then on (links.START_WAIT).
+attached to its round, and the sender streams its parts once every owner is READY
+(links.START_WAIT).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class DataPlaneError(Exception):
 class FrameSink(Protocol):
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         """Where the payload goes (`length` bytes, and up to HEADER.size more that the next
-        header may land in), or None for a fresh buffer. Raise DataPlaneError to refuse the
-        frame."""
+        header may land in), or None for a fresh buffer of exactly `length`. Give room only
+        where the next frame goes to this same sink: a header that came along is parsed as
+        soon as on_frame returns, even if on_frame paused reading (as the HELLO handler does
+        before it hands the stream to a round). Raise DataPlaneError to refuse the frame."""
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         """A whole frame arrived."""

@@ -152,6 +152,10 @@ def test_join_answers_every_code() -> None:
                 ({"peer_id": b"short"}, pb.BAD_REQUEST),
                 ({"endpoint": ""}, pb.BAD_REQUEST),
                 ({"data_endpoint": ""}, pb.BAD_REQUEST),
+                ({"data_endpoint": "no-port"}, pb.BAD_REQUEST),  # members could not connect
+                ({"data_endpoint": "127.0.0.1:x"}, pb.BAD_REQUEST),
+                ({"data_endpoint": "127.0.0.1:0"}, pb.BAD_REQUEST),
+                ({"data_endpoint": ":5000"}, pb.BAD_REQUEST),
                 ({"weight": math.nan}, pb.BAD_REQUEST),
                 ({"weight": -1.0}, pb.BAD_REQUEST),
                 ({"bandwidth": math.inf}, pb.BAD_REQUEST),

@@ -76,28 +76,43 @@ def test_frames_survive_any_split(seed: int) -> None:
     assert got == [("a", kind, part, payload, aux) for kind, part, payload, aux in frames]
 
 
-def test_a_control_frame_lets_its_handler_swap_the_sink_first() -> None:
-    """HELLO, then a data frame in the same read: the data frame goes to the sink the HELLO's
-    handler attached (as the round registry does), not to the handler."""
+def test_a_control_frame_reads_no_further_than_itself() -> None:
+    """HELLO and a data frame behind it, all offered at once: the HELLO's handler pauses and
+    hands the stream to another sink later (as the round registry does), so no byte of the
+    next frame may have been read, let alone parsed for the handler, by then."""
 
-    async def scenario() -> tuple[list[tuple[str, int, int, bytes, int]], list[object]]:
-        after = Recorder("round")
+    async def scenario() -> list[tuple[str, int, int, bytes, int]]:
+        later = Recorder("round")
         first = Recorder("hello")
         channel = Channel(first)
+        paused: list[bool] = []
 
-        def swap(kind: int, part: int, payload: memoryview, aux: int) -> None:
+        def hello(kind: int, part: int, payload: memoryview, aux: int) -> None:
             first.frames.append(("hello", kind, part, bytes(payload), aux))
-            channel.sink = after
+            paused.append(True)  # the registry: pause_reading, attach the round in a task
 
-        first.on_frame = swap  # type: ignore[method-assign]
+        def only_hello(kind: int, part: int, length: int, aux: int) -> memoryview | None:
+            if kind != HELLO:  # as the registry's handler: it knows no round's frames
+                raise DataPlaneError("a stream must open with HELLO")
+            return None
+
+        first.on_frame = hello  # type: ignore[method-assign]
+        first.buffer_for = only_hello  # type: ignore[method-assign]
         stream = frame(HELLO, 1, b"g" * 16) + frame(PART, 2, b"x" * 100) + frame(RESULT, 3, b"")
-        feed(channel, stream, random.Random(0))
-        return first.frames + after.frames, [channel.closed.done()]
+        pos = 0
+        while pos < len(stream) and not channel.closed.done():
+            if paused and channel.sink is first:
+                channel.sink = later  # the round takes the stream; reading resumes
+            buf = channel.get_buffer(-1)
+            n = min(len(buf), len(stream) - pos)
+            buf[:n] = stream[pos:pos + n]
+            pos += n
+            channel.buffer_updated(n)
+        return first.frames + later.frames
 
-    got, closed = asyncio.run(scenario())
-    assert got == [("hello", HELLO, 1, b"g" * 16, 0), ("round", PART, 2, b"x" * 100, 0),
-                   ("round", RESULT, 3, b"", 0)]
-    assert closed == [False]
+    assert asyncio.run(scenario()) == [("hello", HELLO, 1, b"g" * 16, 0),
+                                       ("round", PART, 2, b"x" * 100, 0),
+                                       ("round", RESULT, 3, b"", 0)]
 
 
 def test_a_refused_frame_after_a_coalesced_header_aborts_the_stream() -> None:
