@@ -292,7 +292,7 @@ class ButterflyRound:
                 self.reducer.result_into(index, pieces)
             else:  # kept whole: it is the one payload that goes back to each sender
                 self.view.write(part, self.reducer.result(index))
-            if not self._result_ok(pieces):
+            if not self._result_ok(part):
                 mask = 0  # every member keeps its own values here
         self.applied[index] = mask
         self._pending_own.discard(index)
@@ -302,12 +302,11 @@ class ButterflyRound:
         if not self._pending_own:
             self._own_done.set()
 
-    def _result_ok(self, pieces: list[np.ndarray]) -> bool:
+    def _result_ok(self, part: Part) -> bool:
         """Contributions were checked as they arrived, so a result that is not finite (or
         that fp16 cannot carry) comes from our own values (or overflowed): refuse it."""
         try:
-            for piece in pieces:
-                self.view.check_piece(piece, self.fp16_range)
+            self.view.check_part(part, self.fp16_range)
         except LayoutError as exc:
             self._refuse(exc)
             return False

@@ -4,8 +4,8 @@ gRPC carries the control messages, but its Python API wants each message as one 
 costs a copy per part on each side and a per-message overhead that caps a stream well below
 what the wire gives (see the closing notes of the speed work). Here a part leaves the trainer's
 shared buffer as a memoryview handed to the socket, and arrives with recv_into straight into
-its destination (a staging buffer, where it is checked before it counts). A
-part that lies in several pieces of memory goes out as one frame of several payloads.
+its destination (a staging buffer, where it is checked before it counts). A part that lies in
+several pieces of memory goes out as one frame of several payloads.
 
 Frame: 24-byte header (kind u8, flags u8, reserved u16, part u32, length u64, aux u64;
 little-endian), then `length` payload bytes. `aux` is the sender index in HELLO, the
