@@ -14,12 +14,12 @@ from grpc import aio
 
 from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundResult
 from moshpitd.allreduce.codecs import get_codec
-from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import FlatView, schema_hash
 from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
+from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.errors import DuplicateRequest, GroupNotFound, NoPartners
 from moshpitd.matchmaking.grid import carried_weight
 from moshpitd.matchmaking.matchmaker import (
@@ -50,7 +50,8 @@ LAG_WARN = 0.25
 
 
 class MoshpitNode:
-    def __init__(self, config: NodeConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: NodeConfig, metrics: Metrics | None = None,
+                 hooks: Hooks = NO_HOOKS) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
         security = Security(config.swarm_key, config.tls)
@@ -67,7 +68,7 @@ class MoshpitNode:
             "grpc": security.rejected, "data": self.registry.rejected})
         self.deadlines = DeadlinePolicy()
         self._settle = SettlePolicy()
-        self.fault = FaultPlan.from_env()
+        self.hooks = hooks  # the fault tests' (service.py installs them)
         self.data_endpoint = ""
         self.matchmakers: dict[str, Matchmaker] = {}
         self.runs: dict[str, RunDirectory] = {}
@@ -94,7 +95,7 @@ class MoshpitNode:
         self.grpc_endpoint = format_hostport(c.advertise_host or c.grpc_host, port)
         dport = await self.registry.start(c.grpc_host, c.data_port)
         self.data_endpoint = format_hostport(c.advertise_host or c.grpc_host, dport)
-        self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint, fault=self.fault)
+        self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint, hooks=self.hooks)
         self._lag_task = asyncio.create_task(self._watch_loop_lag())
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
@@ -335,9 +336,9 @@ class MoshpitNode:
     async def _allreduce(self, group: Group, view: FlatView, final: float,
                          aggregation: str = "mean") -> RoundResult:
         rnd = ButterflyRound(group, group.index_of(self.peer_id), view, get_codec(group.codec),
-                             self.registry.connect, self.config.part_bytes, self.fault,
+                             self.registry.connect, self.config.part_bytes, self.hooks,
                              aggregation, self.config.max_parts_in_flight)
-        self.fault.begin_round([len(ps) for o, ps in rnd.by_owner.items() if o != rnd.me],
+        self.hooks.begin_round([len(ps) for o, ps in rnd.by_owner.items() if o != rnd.me],
                                len(group.members) - 1 if rnd.my_parts else 0)
         rnd.seal_hello = self.registry.hello if self.config.swarm_key is not None else None
         n = len(group.members)

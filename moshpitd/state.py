@@ -21,8 +21,8 @@ import grpc
 import msgpack
 from grpc import aio
 
-from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.dht.network import DHTNode
+from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 
@@ -75,7 +75,7 @@ class StateStore:
     peer_id: bytes
     endpoint: str
     snapshots: dict[str, list[Snapshot]] = field(default_factory=dict)  # oldest first
-    fault: FaultPlan | None = None  # the fault tests' hooks
+    hooks: Hooks = NO_HOOKS  # the fault tests act here
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     async def publish(self, key: str, tensors: list[list[Any]], meta: dict[str, Any],
@@ -159,8 +159,7 @@ class StateStore:
             return
         end = min(request.offset + request.length, total)
         for sent, pos in enumerate(range(request.offset, end, CHUNK)):
-            if self.fault is not None:
-                await self.fault.serving_state(sent)
+            await self.hooks.serving_state(sent)
             stop = min(pos + CHUNK, end)
             yield pb.StateChunk(offset=pos, data=snap.data[pos:stop], total=total,
                                 version=snap.version)

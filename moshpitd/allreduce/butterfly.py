@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moshpitd.allreduce.codecs import Codec
-from moshpitd.allreduce.faults import FaultPlan
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import (
     DEFAULT_PART_BYTES,
@@ -45,6 +44,7 @@ from moshpitd.allreduce.layout import (
 )
 from moshpitd.allreduce.links import STAGING, STALL_WINDOW, OwnerLink, ReadyGate, SenderSlot
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
+from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.transport.dataplane import (
     HEADER,
     HELLO,
@@ -84,7 +84,7 @@ class ButterflyRound:
 
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
                  connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
-                 fault: FaultPlan | None = None, aggregation: str = "mean",
+                 hooks: Hooks = NO_HOOKS, aggregation: str = "mean",
                  max_in_flight: int = 64) -> None:
         self.group = group
         self.max_in_flight = max_in_flight
@@ -93,7 +93,7 @@ class ButterflyRound:
         self.codec = codec
         self.fp16_range = codec.name == "fp16"  # values beyond it would be sent as Inf
         self.connect = connect
-        self.fault = fault or FaultPlan()
+        self.hooks = hooks
         self.parts = plan_parts(view.runs, group.shares, part_bytes, codec)
         self.by_owner: dict[int, list[Part]] = defaultdict(list)
         for p in self.parts:
@@ -134,7 +134,6 @@ class ButterflyRound:
         then (a slow link, not a dead peer) gets STALL_WINDOW more at a time, up to `hard`."""
         start = time.monotonic()
         hard = deadline if hard is None else max(hard, deadline)
-        self.fault.before_send()
         links = [OwnerLink(self, owner, parts) for owner, parts in self.by_owner.items()
                  if owner != self.me]
         tasks = [asyncio.create_task(self._exchange(link, deadline)) for link in links]
@@ -214,7 +213,7 @@ class ButterflyRound:
                     await link.progress.wait()
                 if link.done.is_set():
                     break  # it failed or excluded us: nothing more to send
-                await self.fault.during_send(i)
+                await self.hooks.before_part(i)
                 # straight from the trainer's buffer (codec none), piece by piece
                 await channel.send(PART, p.index, *self.codec.encode_pieces(self.view.views(p)))
             await link.done.wait()
@@ -263,7 +262,7 @@ class ButterflyRound:
             raise ReductionError(f"part {part.index} is not reduced by member {self.me}")
         w = self.group.members[sender].weight if weight is None else weight
         if sender != self.me:
-            self.fault.while_reducing()
+            self.hooks.contribution()
         if self.reducer.add(part.index, sender, w, values, trusted=sender == self.me):
             self._finalise(part.index)
 

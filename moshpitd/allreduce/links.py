@@ -19,7 +19,6 @@ import time
 from typing import TYPE_CHECKING
 
 from moshpitd.allreduce.codecs import CodecError
-from moshpitd.allreduce.faults import STALL_SECONDS, poisoned
 from moshpitd.allreduce.layout import Part, all_finite
 from moshpitd.allreduce.reducer import ArrayPool, ReductionError
 from moshpitd.transport.dataplane import (
@@ -68,7 +67,7 @@ class SenderSlot:
         self.expected = {p.index for p in rnd.my_parts}
         self.staging = rnd.staging()
         self.outbox = Outbox()
-        rnd.fault.accepted_sender()
+        rnd.hooks.sender_accepted()
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != PART:
@@ -110,12 +109,10 @@ class SenderSlot:
             index = await self.outbox.get()
             mask = self.rnd.applied.get(index, 0)
             payload = self.rnd.result_payload(index) if mask else b""
-            if mask and self.rnd.fault.poison_result(sent):
-                p = self.rnd.parts[index]
-                payload = poisoned(self.rnd.codec, payload, p.numel, self.rnd.dtypes[p.run])
+            p = self.rnd.parts[index]
+            payload = await self.rnd.hooks.before_result(sent, payload, self.rnd.codec, p.numel,
+                                                         self.rnd.dtypes[p.run])
             sent += 1
-            if self.rnd.fault.stall_reduce():
-                await asyncio.sleep(STALL_SECONDS)
             try:
                 await self.channel.send(RESULT, index, payload, aux=mask)
             except DataPlaneError:

@@ -1,16 +1,19 @@
 """Fault injection for the fault tests: a daemon told to misbehave in one round.
 
-Set MOSHPITD_FAULT=KIND[@ROUND] (ROUND counts this daemon's all-reduce rounds from 1; default 1)
-and optionally MOSHPITD_FAULT_MARKER=PATH, a file written the moment the fault fires, so a test
-can act (kill a process) at a known point. Unset in production: every hook is then a no-op.
+The daemon's entry point installs a FaultPlan as its hooks (moshpitd/hooks.py) only when
+MOSHPITD_FAULT is set; nothing else imports this module. Set MOSHPITD_FAULT=KIND[@ROUND] (ROUND
+counts this daemon's all-reduce rounds from 1; default 1) and optionally
+MOSHPITD_FAULT_MARKER=PATH, a file written the moment the fault fires, so a test can act (kill
+a process) at a known point.
 
-KIND: crash-before-send, crash-mid-send (after one part on a link), stall-send (silent after one
-part on every link), slow-send (pauses SLOW_SECONDS once, then goes on), trickle-send (sleeps
-TRICKLE_SECONDS before every part: slow but never silent), crash-while-reducing (at a
+KIND: crash-before-send, crash-mid-send (after one part on a link), stall-send (silent after
+one part on every link), slow-send (pauses SLOW_SECONDS once, then goes on), trickle-send
+(sleeps TRICKLE_SECONDS before every part: slow but never silent), crash-while-reducing (at a
 contribution), stall-reduce, poison-results (a reducer puts an Inf into the first result on
 each of its streams), die-mid-serve (a state donor exits after sending part of a range to a
-joiner; ROUND is ignored). The crashes, and stall-send's marker, wait until every other member's
-stream reached us (`accepted_sender`): the fault then surely lands mid-round for everyone.
+joiner; ROUND is ignored). The crashes, and stall-send's marker, wait until every other
+member's stream reached us (`sender_accepted`): the fault then surely lands mid-round for
+everyone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moshpitd.allreduce.codecs import Codec
+from moshpitd.hooks import Hooks
 
 KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send", "trickle-send",
          "crash-while-reducing", "stall-reduce", "poison-results", "die-mid-serve"}
@@ -38,7 +42,7 @@ def poisoned(codec: Codec, payload: memoryview | bytes, n: int, dtype: np.dtype)
 
 
 @dataclass
-class FaultPlan:
+class FaultPlan(Hooks):
     kind: str = ""
     at_round: int = 1
     marker: str | None = None
@@ -60,18 +64,16 @@ class FaultPlan:
             raise ValueError(f"MOSHPITD_FAULT={spec!r}: unknown fault (one of {sorted(KINDS)})")
         return cls(kind, int(at or 1), os.environ.get("MOSHPITD_FAULT_MARKER"))
 
-    def begin_round(self, link_parts: list[int] | None = None, senders: int = 0) -> None:
-        """`link_parts`: how many parts we stream to each other owner this round; `senders`:
-        how many members stream parts to us."""
+    def begin_round(self, link_parts: list[int], senders: int) -> None:
         self.rounds += 1
-        self.stalling = sum(1 for n in link_parts or [] if n > 1)
+        self.stalling = sum(1 for n in link_parts if n > 1)
         self.stalled = self.accepted = 0
         self.senders, self.reducing = senders, False
         self.engaged = asyncio.Event()
         if not senders:
             self.engaged.set()
 
-    def accepted_sender(self) -> None:
+    def sender_accepted(self) -> None:
         """A member's stream reached us: it has the group. Once all have, every member is in
         the round, and a crash can no longer keep one out (a leader that died before its
         GroupInfo reached everyone would: a matchmaking fault, not the one under test)."""
@@ -100,13 +102,9 @@ class FaultPlan:
         if self._now("stall-send") and self.engaged.is_set() and self.stalled >= self.stalling:
             self._fire()  # every member is in the round and every owner holds our first part
 
-    def before_send(self) -> None:
-        """Round start; the crash faults wait for every member (see accepted_sender)."""
-
-    async def during_send(self, sent: int) -> None:
-        """Called before each part a sender streams; `sent` parts went out already."""
+    async def before_part(self, sent: int) -> None:
         if sent == 0 and self._now("crash-before-send"):
-            await self.engaged.wait()  # accepted_sender crashes then: hold our parts back
+            await self.engaged.wait()  # sender_accepted crashes then: hold our parts back
             self._crash()
         if sent == 1 and self._now("crash-mid-send"):
             await self.engaged.wait()
@@ -122,24 +120,21 @@ class FaultPlan:
             self._fire()
             await asyncio.sleep(TRICKLE_SECONDS)
 
-    def while_reducing(self) -> None:
+    def contribution(self) -> None:
         if self._now("crash-while-reducing"):
             self.reducing = True
             if self.engaged.is_set():
                 self._crash()
 
-    def stall_reduce(self) -> bool:
+    async def before_result(self, sent: int, payload: memoryview | bytes, codec: Codec,
+                            numel: int, dtype: np.dtype) -> memoryview | bytes:
         if self._now("stall-reduce"):
             self._fire()
-            return True
-        return False
-
-    def poison_result(self, sent: int) -> bool:
-        """True for the first result on a stream (`sent` results went out on it already)."""
-        if sent == 0 and self._now("poison-results"):
+            await asyncio.sleep(STALL_SECONDS)
+        if sent == 0 and payload and self._now("poison-results"):  # the first result only
             self._fire()
-            return True
-        return False
+            return poisoned(codec, payload, numel, dtype)
+        return payload
 
     async def serving_state(self, chunks_sent: int) -> None:
         """A donor streaming a range of its state to a joiner, `chunks_sent` chunks in (it
