@@ -14,9 +14,11 @@ from grpc import aio
 
 from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundResult
 from moshpitd.allreduce.codecs import get_codec
+from moshpitd.allreduce.deadlines import DeadlinePolicy
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import FlatView, schema_hash
-from moshpitd.allreduce.registry import DeadlinePolicy, RoundRegistry
+from moshpitd.allreduce.registry import RoundRegistry
+from moshpitd.clock import RoundClock, stream_wait
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.hooks import NO_HOOKS, Hooks
@@ -61,7 +63,8 @@ class MoshpitNode:
         self.pool = ChannelPool(config.max_message, security)
         self.server = AveragerServer(self._handle_join, self._handle_state, config.max_message,
                                      security)
-        self.registry = RoundRegistry(config.part_bytes * 2 + 4096, config.swarm_key)
+        self.registry = RoundRegistry(config.part_bytes * 2 + 4096, config.swarm_key,
+                                     stream_wait(config.matchmaking_seconds))
         self.metrics.watch_auth(lambda: {
             "dht": self.dht.protocol.rpcs["received", "any", "unauthenticated"]
             if getattr(self.dht, "protocol", None) else 0,
@@ -205,8 +208,8 @@ class MoshpitNode:
             # receive, ButterflyRound our own span; a round spent alone checks everything
             if request.grid is None:
                 rec, _, out = await self._one_round(request.key, request, view,
-                                                    request.weight, request.timeout, None,
-                                                    request.group_size)
+                                                    request.weight, self._clock(request.timeout),
+                                                    None, request.group_size)
                 return AverageResult((rec,), None, None, *out)
             return await self._grid_rounds(request, view)
         finally:
@@ -232,13 +235,13 @@ class MoshpitNode:
         for _ in range(request.rounds):
             plan = await run.plan(request.initial_coords)
             try:
-                remaining = final - time.monotonic()
-                if remaining <= 0:
+                clock = self._clock(final - time.monotonic())
+                if clock.remaining() <= 0:
                     raise AllreduceError(f"timeout after {len(records)} of {request.rounds} "
                                          "rounds")
                 try:
                     rec, group, out = await self._one_round(
-                        plan.key, request, view, weight, remaining, plan.expected, grid.size,
+                        plan.key, request, view, weight, clock, plan.expected, grid.size,
                         single_attempt=True, watcher=run.watcher(plan.round))
                     group_weight = sum(m.weight for m in group.members)
                     members = len(group.members)
@@ -252,16 +255,18 @@ class MoshpitNode:
         assert run.coords is not None
         return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0], *out)
 
+    def _clock(self, timeout: float) -> RoundClock:
+        return RoundClock(timeout, self.config.matchmaking_seconds, self.deadlines)
+
     async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
-                         timeout: float, expected: frozenset[bytes] | None, target: int,
+                         clock: RoundClock, expected: frozenset[bytes] | None, target: int,
                          single_attempt: bool = False,
                          watcher: LineWatcher | None = None
                          ) -> tuple[RoundRecord, Group, Outcome]:
         if self.draining:  # e.g. the next round of a multi-round grid request
             raise ShuttingDown("moshpitd is shutting down: it starts no new round")
-        start = time.monotonic()
-        final = start + timeout
-        attempt = min(self.config.matchmaking_seconds, timeout)
+        start = clock.start
+        attempt = clock.attempt()
         match = MatchRequest(
             key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation,
                                                self.config.part_bytes),
@@ -273,7 +278,8 @@ class MoshpitNode:
         me = Self(self.peer_id, self.grpc_endpoint, self.data_endpoint, self.config.bandwidth)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher, self._probe)
         self.matchmakers[key] = mm
-        finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt else timeout))
+        finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt
+                                                      else clock.remaining()))
         self._finding[key] = finding
         try:
             try:
@@ -316,7 +322,7 @@ class MoshpitNode:
             raise AllreduceError(f"every member of the group under {key!r} has weight 0: "
                                  "there is no weighted mean")
         try:
-            result = await self._allreduce(group, view, final, request.aggregation)
+            result = await self._allreduce(group, view, clock, request.aggregation)
         except BaseException:
             self.log.record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed",
                          request.codec)
@@ -333,26 +339,19 @@ class MoshpitNode:
         NaN or Inf must still be refused (in a grid run, a round alone would keep them)."""
         await asyncio.to_thread(view.check_finite, codec == "fp16")
 
-    async def _allreduce(self, group: Group, view: FlatView, final: float,
+    async def _allreduce(self, group: Group, view: FlatView, clock: RoundClock,
                          aggregation: str = "mean") -> RoundResult:
         rnd = ButterflyRound(group, group.index_of(self.peer_id), view, get_codec(group.codec),
                              self.registry.connect, self.config.part_bytes, self.hooks,
-                             aggregation, self.config.max_parts_in_flight)
-        self.hooks.begin_round([len(ps) for o, ps in rnd.by_owner.items() if o != rnd.me],
-                               len(group.members) - 1 if rnd.my_parts else 0)
-        rnd.seal_hello = self.registry.hello if self.config.swarm_key is not None else None
-        n = len(group.members)
-        moved = 2 * sum(view.specs[i].nbytes for i in range(len(view.specs))) * (n - 1) // n
-        budget = self.deadlines.budget(moved)
-        grace = min(1.0, 0.25 * budget)
-        deadline = time.monotonic() + max(min(budget, final - time.monotonic() - grace), 0.05)
+                             aggregation, self.config.max_parts_in_flight,
+                             self.registry.hello if self.config.swarm_key is not None else None)
         self.registry.register(rnd)
-        try:  # a member still sending past the deadline gets one more budget, no more
-            result = await rnd.run(deadline, grace, hard=min(final - grace, deadline + budget))
+        try:
+            result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))
         finally:
             self.registry.unregister(group.group_id)
         if result.parts_averaged == result.parts:
-            self.deadlines.observe(result.bytes_sent + result.bytes_received, result.seconds)
+            clock.learn(result.bytes_sent + result.bytes_received, result.seconds)
         return result
 
     async def _probe(self, endpoint: str) -> bool:

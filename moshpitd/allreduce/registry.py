@@ -1,4 +1,4 @@
-"""The data-plane listener and the rounds it routes incoming streams to, plus round deadlines.
+"""The data-plane listener and the rounds it routes incoming streams to.
 
 A sender may connect before the reducer has even learnt of the group (the leader's GroupInfo
 reaches members in any order), so a stream that names an unknown group waits a little for it.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 from moshpitd.allreduce.butterfly import ButterflyRound
 from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
@@ -26,30 +25,12 @@ from moshpitd.transport.dataplane import (
 
 log = logging.getLogger(__name__)
 
-STREAM_WAIT = 10.0
 MAX_FINISHED = 4096  # ended rounds remembered, to refuse their late streams at once
+# A protocol constant, not a round's deadline: a connection that names no round within this is
+# dropped whatever round it might have been for (it holds a descriptor and a MAX_UNOPENED slot).
 HELLO_TIMEOUT = 10.0
 MAX_UNOPENED = 1024
 MAX_PENDING = 1024
-
-
-@dataclass
-class DeadlinePolicy:
-    """One deadline per round, from observed throughput: a healthy round takes `expected`
-    seconds; faults are declared at `factor` times that (never below `floor`)."""
-
-    floor: float = 2.0
-    factor: float = 4.0
-    throughput: float = 50e6  # bytes/s per peer, learnt from finished rounds
-    alpha: float = 0.3
-
-    def budget(self, bytes_per_peer: int) -> float:
-        return max(self.floor, self.factor * bytes_per_peer / self.throughput)
-
-    def observe(self, bytes_moved: int, seconds: float) -> None:
-        if seconds > 0 and bytes_moved > (1 << 20):
-            rate = bytes_moved / seconds
-            self.throughput = (1 - self.alpha) * self.throughput + self.alpha * rate
 
 
 class _Hello:
@@ -113,8 +94,10 @@ def _hello_context(sender: int, receiver: int) -> bytes:
 
 
 class RoundRegistry:
-    def __init__(self, max_payload: int, auth: SwarmKey | None = None) -> None:
+    def __init__(self, max_payload: int, auth: SwarmKey | None = None,
+                 stream_wait: float = 10.0) -> None:
         self.max_payload = max_payload
+        self.stream_wait = stream_wait  # see clock.stream_wait
         self.auth = auth
         self.replay = ReplayCache()
         self.hello_length = 16 + (OVERHEAD if auth is not None else 0)
@@ -122,7 +105,7 @@ class RoundRegistry:
         self.rejected = 0  # HELLOs without a valid swarm-key tag
         self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
         # rounds that ended here: a late stream for one is refused at once, so its sender
-        # stops waiting for us instead of waiting STREAM_WAIT (insertion-ordered, bounded)
+        # stops waiting for us instead of waiting stream_wait (insertion-ordered, bounded)
         self._finished: dict[bytes, None] = {}
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task[None]] = set()
@@ -183,7 +166,7 @@ class RoundRegistry:
             if group_id in self._finished:
                 raise DataPlaneError(f"group {group_id.hex()[:8]}'s round is over here")
             fut = self._future(group_id)
-            async with asyncio.timeout(STREAM_WAIT):
+            async with asyncio.timeout(self.stream_wait):
                 rnd = await asyncio.shield(fut)
             if receiver != rnd.me:
                 raise DataPlaneError(f"stream meant for member {receiver}, this is {rnd.me}")
@@ -193,7 +176,7 @@ class RoundRegistry:
             pending = self._rounds.get(group_id)
             if pending is not None and not pending.done():
                 del self._rounds[group_id]
-            why = str(exc) or f"no group {group_id.hex()[:8]} here after {STREAM_WAIT:.0f} s"
+            why = str(exc) or f"no group {group_id.hex()[:8]} here after {self.stream_wait:.0f} s"
             log.info("refusing stream from member %d: %s (waited %.2fs)", sender, why,
                      time.monotonic() - started)
             channel.abort(why)

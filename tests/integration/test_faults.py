@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import moshpit
+from moshpitd.allreduce.deadlines import DeadlinePolicy
 from moshpitd.allreduce.layout import Run, plan_parts, span_bounds
-from moshpitd.allreduce.registry import DeadlinePolicy
 from moshpitd.launcher import LocalSwarm
 from tests.integration.helpers import run_parallel
 
@@ -42,7 +42,7 @@ LOCAL: frozenset[int] = frozenset()  # a part that kept the peer's own values
 
 def _round_timing() -> tuple[float, float]:
     """The budget and grace node._allreduce gives a fresh daemon's round of these inputs."""
-    budget = DeadlinePolicy().budget(2 * ELEMS * 4 * (PEERS - 1) // PEERS)
+    budget = DeadlinePolicy().budget(4 * ELEMS * 4 * (PEERS - 1) // PEERS)  # wire bytes
     return budget, min(1.0, 0.25 * budget)
 
 

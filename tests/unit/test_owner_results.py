@@ -1,4 +1,4 @@
-"""Results an owner returns (allreduce/links.py OwnerLink) are checked before they reach the
+"""Results an owner returns (allreduce/sender.py OwnerLink) are checked before they reach the
 trainer's buffer: one holding NaN or Inf leaves its part at our local values with mask 0, for
 every codec and dtype, also for a part split over two tensors with a gap between them."""
 
@@ -7,18 +7,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moshpitd.allreduce.butterfly import ButterflyRound
 from moshpitd.allreduce.codecs import CODECS, get_codec
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.allreduce.layout import FlatView, Part, TensorSpec
-from moshpitd.allreduce.links import OwnerLink
-from moshpitd.transport.dataplane import RESULT, Channel, FrameSink
+from moshpitd.allreduce.plan import Ledger, RoundPlan
+from moshpitd.allreduce.sender import OwnerLink, ReadyGate
+from moshpitd.transport.dataplane import RESULT
 
 FIRST, SECOND = 900, 700  # the owner's span crosses from the first tensor into the second
 
 
-async def no_connect(endpoint: str, sink: FrameSink) -> Channel:
-    raise AssertionError("this test never connects")
+class NoExclusions:
+    def exclude(self, sender: int, why: str, fault: str = "other") -> None:
+        raise AssertionError(f"nobody is excluded here: {why}")
+
+    def lost(self, sender: int, why: str, fault: str) -> None:
+        raise AssertionError(f"nobody is lost here: {why}")
 
 
 def make_link(codec: str, dtype: str) -> tuple[OwnerLink, np.ndarray]:
@@ -31,13 +35,14 @@ def make_link(codec: str, dtype: str) -> tuple[OwnerLink, np.ndarray]:
     view.write(Part(0, 0, 0, FIRST + SECOND, 0), local)
     members = tuple(GroupMember(bytes([i]) * 20, f"e{i}", 1.0) for i in range(2))
     group = Group(b"g" * 16, "k", 0, b"s" * 16, members, codec)
-    rnd = ButterflyRound(group, 0, view, get_codec(codec), no_connect, part_bytes=1 << 16)
-    return OwnerLink(rnd, 1, rnd.by_owner[1]), local
+    plan = RoundPlan(group, 0, view, get_codec(codec), 1 << 16)
+    return OwnerLink(plan, Ledger(plan), 1, plan.by_owner[1], ReadyGate(1, 0.0),
+                     NoExclusions()), local
 
 
 def deliver(link: OwnerLink, part: Part, values: np.ndarray, mask: int) -> None:
     with np.errstate(all="ignore"):  # int8 scales of Inf make NaN, as a liar's would
-        payload = link.rnd.codec.encode(values)
+        payload = link.plan.codec.encode(values)
     dest = link.buffer_for(RESULT, part.index, len(payload), mask)
     assert isinstance(dest, memoryview) and len(dest) >= len(payload)  # room for a header
     dest = dest[:len(payload)]
@@ -50,26 +55,26 @@ def deliver(link: OwnerLink, part: Part, values: np.ndarray, mask: int) -> None:
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_non_finite_result_keeps_local_values(codec: str, dtype: str, bad: float) -> None:
     link, local = make_link(codec, dtype)
-    (part,) = link.rnd.by_owner[1]
+    (part,) = link.plan.by_owner[1]
     assert part.start < FIRST < part.stop
     values = local[part.start:part.stop].astype(np.float64) + 1.0
     values[len(values) // 3] = bad
     deliver(link, part, values.astype(dtype), 0b11)
-    assert link.rnd.applied[part.index] == 0
+    assert link.ledger.applied[part.index] == 0
     assert link.done.is_set() and link.failure is None
-    np.testing.assert_array_equal(link.rnd.view.read(part), local[part.start:part.stop])
+    np.testing.assert_array_equal(link.plan.view.read(part), local[part.start:part.stop])
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS))
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_finite_result_is_written(codec: str, dtype: str) -> None:
     link, local = make_link(codec, dtype)
-    (part,) = link.rnd.by_owner[1]
+    (part,) = link.plan.by_owner[1]
     values = (local[part.start:part.stop].astype(np.float64) / 2 + 1.0).astype(dtype)
     deliver(link, part, values, 0b11)
-    assert link.rnd.applied[part.index] == 0b11
-    codec_ = link.rnd.codec
+    assert link.ledger.applied[part.index] == 0b11
+    codec_ = link.plan.codec
     want = codec_.decode(codec_.encode(values), values.size, np.dtype(dtype)).astype(dtype)
-    np.testing.assert_array_equal(link.rnd.view.read(part), want)
-    np.testing.assert_array_equal(link.rnd.view.read(Part(9, 0, 0, part.start, 0)),
+    np.testing.assert_array_equal(link.plan.view.read(part), want)
+    np.testing.assert_array_equal(link.plan.view.read(Part(9, 0, 0, part.start, 0)),
                                   local[:part.start])

@@ -47,7 +47,7 @@ def test_a_stream_for_an_ended_round_is_refused_at_once() -> None:
 
     aborted, waited, live_aborted = asyncio.run(scenario())
     assert aborted is not None and "is over here" in aborted
-    assert waited < 0.5 < reg.STREAM_WAIT  # not STREAM_WAIT
+    assert waited < 0.5 < RoundRegistry(1 << 20).stream_wait  # not the stream wait
     assert live_aborted is None
 
 

@@ -1,0 +1,42 @@
+"""The deadlines of one all-reduce, and the rate they are learnt from.
+
+Every deadline of a round comes from one budget: the time a healthy round of this size takes at
+the learnt rate, times a safety factor. The clock (moshpitd/clock.py) derives the rest from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DeadlinePolicy:
+    """A healthy round moves `wire bytes` (sent plus received, in the codec's encoding: see
+    RoundPlan.wire_bytes) at `throughput`; faults are declared at `factor` times that, never
+    below `floor` seconds. The rate is learnt, in the same unit, from finished rounds."""
+
+    floor: float = 2.0
+    factor: float = 4.0
+    throughput: float = 100e6  # wire bytes/s sent plus received per peer
+    alpha: float = 0.3
+    min_learn_bytes: int = 1 << 20  # smaller rounds are mostly latency: they teach no rate
+
+    def budget(self, wire_bytes: int) -> float:
+        return max(self.floor, self.factor * wire_bytes / self.throughput)
+
+    def observe(self, wire_bytes: int, seconds: float) -> None:
+        if seconds > 0 and wire_bytes > self.min_learn_bytes:
+            rate = wire_bytes / seconds
+            self.throughput = (1 - self.alpha) * self.throughput + self.alpha * rate
+
+
+@dataclass(frozen=True)
+class RoundDeadlines:
+    """What one butterfly round is told (monotonic times, except the windows)."""
+
+    budget: float  # seconds a round of this size may take before faults are declared
+    deadline: float  # when a healthy round should be over: silent senders are excluded then
+    grace: float  # after the deadline (and the hard stop), for owners' results to come back
+    hard: float  # a member whose bytes still flow is waited for until then, no longer
+    start_wait_until: float  # members stream once every owner is READY, or from then on
+    stall_window: float  # past the deadline, a peer must show new bytes this often

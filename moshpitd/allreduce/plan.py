@@ -1,0 +1,123 @@
+"""What both sides of one butterfly round share: the plan every member computes alike, and the
+ledger of what the round has done to the trainer's buffer.
+
+The sender side (sender.py) and the reducer side (owner.py) each own their state; the only
+things they share are these, and the ledger is written through its methods.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import numpy as np
+
+from moshpitd.allreduce.codecs import Codec
+from moshpitd.allreduce.group import Group
+from moshpitd.allreduce.layout import FlatView, LayoutError, Part, plan_parts
+from moshpitd.allreduce.reducer import ArrayPool
+from moshpitd.transport.dataplane import HEADER
+
+log = logging.getLogger("moshpitd.allreduce.butterfly")
+
+# Receive buffers, reused across rounds: a fresh 1 MiB bytearray per link per round is zeroed
+# by the kernel page by page before the first frame lands in it.
+STAGING = ArrayPool(32 << 20)
+
+
+class RoundPlan:
+    """The group, our place in it, the trainer's buffer and its parts: fixed for the round."""
+
+    def __init__(self, group: Group, me: int, view: FlatView, codec: Codec,
+                 part_bytes: int) -> None:
+        self.group = group
+        self.me = me
+        self.view = view
+        self.codec = codec
+        self.fp16_range = codec.name == "fp16"  # values beyond it would be sent as Inf
+        self.parts = plan_parts(view.runs, group.shares, part_bytes, codec)
+        self.by_owner: dict[int, list[Part]] = defaultdict(list)
+        for p in self.parts:
+            self.by_owner[p.owner].append(p)
+        self.my_parts = self.by_owner.get(me, [])
+        self.dtypes = {i: np.dtype(r.dtype) for i, r in enumerate(view.runs)}
+        self.max_part_bytes = max([self.encoded_size(p) for p in self.parts] or [0])
+
+    @property
+    def size(self) -> int:
+        return len(self.group.members)
+
+    def part(self, index: int) -> Part | None:
+        return self.parts[index] if 0 <= index < len(self.parts) else None
+
+    def encoded_size(self, p: Part) -> int:
+        return self.codec.encoded_size(p.numel, self.dtypes[p.run])
+
+    def link_parts(self) -> list[int]:
+        """How many parts we stream to each other owner."""
+        return [len(ps) for owner, ps in self.by_owner.items() if owner != self.me]
+
+    def senders(self) -> int:
+        """How many members stream parts to us."""
+        return self.size - 1 if self.my_parts else 0
+
+    def wire_bytes(self) -> int:
+        """Payload bytes this member sends plus receives in a healthy round, in the codec's
+        encoding: each other owner's part goes out and comes back averaged; each part of ours
+        comes in from every other member and goes back to each. The unit the round's deadline
+        is learnt in (moshpitd/clock.py)."""
+        mine = sum(self.encoded_size(p) for p in self.my_parts)
+        theirs = sum(self.encoded_size(p) for p in self.parts) - mine
+        return 2 * theirs + 2 * (self.size - 1) * mine
+
+
+class Ledger:
+    """What the round did to each part of the trainer's buffer (the contributors' bitmask that
+    each element averages; 0 where it keeps its local values), and whether our own values were
+    refused. Once closed, the trainer owns its buffer again and nothing more is recorded."""
+
+    def __init__(self, plan: RoundPlan) -> None:
+        self.plan = plan
+        self.applied: dict[int, int] = {}
+        self.invalid: LayoutError | None = None
+        self.closed = False
+        self._staging: list[np.ndarray] = []
+
+    def staging(self) -> memoryview:
+        """A receive buffer for one part and the next frame's header, from STAGING; back there
+        when the round closes."""
+        buf = STAGING.take(self.plan.max_part_bytes + HEADER.size, np.dtype(np.uint8))
+        self._staging.append(buf)
+        return buf.data
+
+    def apply(self, index: int, mask: int) -> None:
+        if not self.closed:
+            self.applied[index] = mask
+
+    def mask(self, index: int) -> int:
+        return self.applied.get(index, 0)
+
+    def refuse(self, exc: LayoutError) -> None:
+        """Our trainer's values were refused: it hears of it when the round ends."""
+        if self.invalid is None and not self.closed:
+            self.invalid = LayoutError(f"{exc} (found during the round: parts of the request "
+                                       "that were averaged before or beside it hold the "
+                                       "group's mean)")
+            log.warning("group %s: our trainer's values were refused: %s",
+                        self.plan.group.group_id.hex()[:8], exc)
+
+    def check(self, p: Part) -> bool:
+        """Are the values of `p` in the trainer's buffer finite (and within fp16's range when
+        that codec carries them)? If not, that is refused."""
+        try:
+            self.plan.view.check_part(p, self.plan.fp16_range)
+        except LayoutError as exc:
+            self.refuse(exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        for buf in self._staging:
+            STAGING.give(buf)
+        self._staging.clear()

@@ -1,0 +1,246 @@
+"""The sender side of a butterfly round: our parts stream to each owner, whose averaged results
+come back on the same connection.
+
+An owner's results are untrusted like any contribution: each is received into the link's staging
+buffer, checked for NaN/Inf, and only then copied into the trainer's buffer; a non-finite one
+leaves the part at our local values (mask 0). Receiving straight into the trainer's buffer would
+save that copy, but a poisoned result would then have overwritten the very values we must fall
+back to, and their only other copy went to that owner. (Setting our values aside as a result's
+header arrives, and receiving in place, was measured and is no cheaper: the kernel writes
+received bytes past the cache either way, so one part-sized read from memory stays.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from moshpitd.allreduce.layout import Part, all_finite
+from moshpitd.allreduce.plan import Ledger, RoundPlan
+from moshpitd.hooks import Hooks
+from moshpitd.transport.dataplane import (
+    ABORT,
+    BAD_VALUES,
+    HELLO,
+    PART,
+    READY,
+    RESULT,
+    Channel,
+    DataPlaneError,
+    FrameSink,
+)
+
+log = logging.getLogger("moshpitd.allreduce.butterfly")
+
+Connector = Callable[[str, FrameSink], Awaitable[Channel]]
+HelloSealer = Callable[[bytes, int, int], bytes]
+
+
+class Exclusions(Protocol):
+    """What the sender side tells the reducer side: an owner is also a sender to us, and when
+    its daemon is gone its parts will not come either."""
+
+    def exclude(self, sender: int, why: str, fault: str = "other") -> None: ...
+
+    def lost(self, sender: int, why: str, fault: str) -> None:
+        """Exclude `sender` if we still lack any of its parts."""
+
+
+class ReadyGate:
+    """Every owner READY (or failed): one event per round, whatever the group's size.
+
+    A member streams its parts once every owner has the round (it answers our HELLO with
+    READY), or the clock's start wait after the round started. Members learn of their group up
+    to ~20-30 ms apart on a busy machine: those that stream meanwhile take the CPU the late one
+    needs to learn of it, and then it is left alone with its share of the work at the end of
+    the round, one core idle."""
+
+    def __init__(self, owners: int, until: float) -> None:
+        self.left = owners
+        self.until = until
+        self.event = asyncio.Event()
+        if owners <= 0:
+            self.event.set()
+
+    def mark(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.event.set()
+
+    async def wait(self, deadline: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(min(self.until, deadline) - time.monotonic(), 0)):
+                await self.event.wait()
+
+
+class OwnerLink:
+    """Averaged parts coming back from one owner."""
+
+    def __init__(self, plan: RoundPlan, ledger: Ledger, owner: int, parts: list[Part],
+                 gate: ReadyGate, exclusions: Exclusions) -> None:
+        self.plan = plan
+        self.ledger = ledger
+        self.owner = owner
+        self.parts = parts
+        self.waiting = {p.index for p in parts}
+        self.done = asyncio.Event()
+        self.progress = asyncio.Event()  # set per result: the send window moves
+        self.failure: str | None = None
+        self.staging = ledger.staging()  # results land here to be checked
+        self._gate = gate
+        self._exclusions = exclusions
+        self._ready = False  # READY came (or the owner failed)
+
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        if kind != RESULT:
+            return None
+        p = self.plan.part(part)
+        if p is None or p.owner != self.owner or part not in self.waiting:
+            raise DataPlaneError(f"owner {self.owner} returned part {part}, not expected")
+        want = self.plan.encoded_size(p) if aux else 0
+        if length != want:
+            raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
+        return self.staging  # consumed by on_frame before the next frame
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        if kind == READY:
+            self._mark_ready()
+            return
+        if kind == ABORT:
+            if aux == BAD_VALUES:  # were our values to blame? then our trainer hears of it
+                self._recheck(part)
+            self.fail(bytes(payload).decode(errors="replace"))
+            return
+        if kind != RESULT:
+            self.fail(f"unexpected frame kind {kind}")
+            return
+        p = self.plan.parts[part]
+        if aux and (aux >> self.plan.size):
+            self.fail(f"result {part} names members that do not exist")
+            return
+        if aux:
+            values = self.plan.codec.decode(payload, p.numel, self.plan.dtypes[p.run])
+            if all_finite(values):
+                self.plan.view.write(p, values)
+            else:
+                log.warning("owner %d returned NaN or Inf for part %d: it keeps local values",
+                            self.owner, part)
+                aux = 0
+        self.ledger.apply(part, aux)
+        self.waiting.discard(part)
+        if not self.waiting:
+            self.done.set()
+        self.progress.set()
+
+    def in_flight(self, sent: int) -> int:
+        return sent - (len(self.parts) - len(self.waiting))
+
+    def on_close(self, exc: BaseException | None) -> None:
+        """Closed without a word: its daemon is gone (or its round is over), so its parts will
+        not come either; that holds even when all its results are in and it never connected
+        to us as a sender, which would otherwise leave us waiting for the deadline."""
+        if self.failure is not None:
+            return
+        if self.waiting:
+            self.fail(f"stream closed ({exc or 'EOF'})")
+        self._exclusions.lost(self.owner, "its connection dropped", "disconnected")
+
+    def fail(self, why: str) -> None:
+        if self.failure is None and self.waiting:
+            self.failure = why
+            log.info("owner %d failed: %s; its %d remaining parts keep local values",
+                     self.owner, why, len(self.waiting))
+        self.done.set()
+        self.progress.set()
+        self._mark_ready()
+
+    def _recheck(self, index: int) -> None:
+        """The owner refused our part as data: if our values are to blame, remember it."""
+        p = self.plan.part(index)
+        if p is not None and p.owner == self.owner and not self.ledger.closed:
+            self.ledger.check(p)
+
+    def _mark_ready(self) -> None:
+        if not self._ready:
+            self._ready = True
+            self._gate.mark()
+
+
+class SenderSide:
+    """Our parts to every other owner, and their results back."""
+
+    def __init__(self, plan: RoundPlan, ledger: Ledger, connect: Connector, hooks: Hooks,
+                 exclusions: Exclusions, seal_hello: HelloSealer | None,
+                 max_in_flight: int, start_wait_until: float) -> None:
+        self.plan = plan
+        self.connect = connect
+        self.hooks = hooks
+        self.seal_hello = seal_hello  # swarm key: reducers only take sealed streams
+        self.max_in_flight = max_in_flight
+        self.exclusions = exclusions
+        owners = {o: ps for o, ps in plan.by_owner.items() if o != plan.me}
+        self.gate = ReadyGate(len(owners), start_wait_until)
+        self.links = [OwnerLink(plan, ledger, o, ps, self.gate, exclusions)
+                      for o, ps in owners.items()]
+        self.channels: list[Channel] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self, deadline: float) -> None:
+        self._tasks = [asyncio.create_task(self._exchange(link, deadline))
+                       for link in self.links]
+
+    async def all_answered(self) -> None:
+        """Until every owner answered all our parts or failed."""
+        await asyncio.gather(*(link.done.wait() for link in self.links))
+
+    def fail_unanswered(self, why: str) -> None:
+        for link in self.links:
+            link.fail(why)
+
+    def progress(self) -> int:
+        return sum(ch.progress() for ch in self.channels)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _exchange(self, link: OwnerLink, deadline: float) -> None:
+        member = self.plan.group.members[link.owner]
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                channel = await self.connect(member.data_endpoint, link)
+            self.channels.append(channel)
+            hello = self.plan.group.group_id
+            if self.seal_hello is not None:
+                hello = self.seal_hello(hello, self.plan.me, link.owner)
+            await channel.send(HELLO, link.owner, hello, aux=self.plan.me)
+            await self.gate.wait(deadline)  # every owner has the round: see ReadyGate
+            codec, view = self.plan.codec, self.plan.view
+            for i, p in enumerate(link.parts):
+                while link.in_flight(i) >= self.max_in_flight and not link.done.is_set():
+                    link.progress.clear()  # the owner is behind: wait for its next answer
+                    await link.progress.wait()
+                if link.done.is_set():
+                    break  # it failed or excluded us: nothing more to send
+                await self.hooks.before_part(i)
+                # straight from the trainer's buffer (codec none), piece by piece
+                await channel.send(PART, p.index, *codec.encode_pieces(view.views(p)))
+            await link.done.wait()
+        except ConnectionRefusedError as exc:
+            # nobody listens there: it died, so do not wait for its parts either
+            link.fail(f"cannot connect: {exc!r}")
+            self.exclusions.exclude(link.owner, "its data plane refuses connections",
+                                    "disconnected")
+        except (OSError, ValueError, DataPlaneError) as exc:  # ValueError: a bad endpoint
+            silent = link.failure is None  # no ABORT came: it died or broke the protocol
+            link.fail(f"cannot stream to it: {exc!r}")
+            if silent:
+                self.exclusions.exclude(link.owner, f"its stream failed: {exc!r}",
+                                        "disconnected")
+        except TimeoutError as exc:
+            link.fail(f"cannot stream to it: {exc!r}")
