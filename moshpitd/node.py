@@ -1,4 +1,5 @@
-"""The daemon's core: one averaging request = matchmaking, then a butterfly round."""
+"""The daemon's core: it wires the DHT, gRPC, the data plane and state sharing together, and
+owns the lifecycle (start, bootstrap, drain, status). Requests run in runner.py."""
 
 from __future__ import annotations
 
@@ -12,43 +13,39 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundResult
-from moshpitd.allreduce.codecs import get_codec
-from moshpitd.allreduce.deadlines import DeadlinePolicy
-from moshpitd.allreduce.group import Group
-from moshpitd.allreduce.layout import FlatView, schema_hash
+from moshpitd.allreduce.layout import FlatView
 from moshpitd.allreduce.registry import RoundRegistry
-from moshpitd.clock import RoundClock, stream_wait
+from moshpitd.clock import stream_wait
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.hooks import NO_HOOKS, Hooks
-from moshpitd.matchmaking.errors import DuplicateRequest, GroupNotFound, NoPartners
-from moshpitd.matchmaking.grid import carried_weight
+from moshpitd.matchmaking.errors import DuplicateRequest
 from moshpitd.matchmaking.matchmaker import (
-    LineWatcher,
     Matchmaker,
-    MatchRequest,
-    Self,
     not_looking,
     wait_background,
 )
-from moshpitd.matchmaking.request import SettlePolicy
-from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
+from moshpitd.matchmaking.runs import RunDirectory
 from moshpitd.metrics import Metrics
 from moshpitd.node_config import NodeConfig, ShuttingDown, format_hostport
 from moshpitd.proto import moshpit_pb2 as pb
-from moshpitd.rounds import AverageRequest, AverageResult, RoundLog, RoundRecord
+from moshpitd.rounds import AverageRequest, AverageResult, RoundLog
+from moshpitd.runner import Endpoints, RoundRunner
 from moshpitd.state import StateStore
 from moshpitd.transport.grpc_server import AveragerServer, ChannelPool
 from moshpitd.transport.security import Security
 
 log = logging.getLogger(__name__)
-Outcome = tuple[tuple[tuple[int, int, int], ...], tuple[str, ...], int]  # spans, members, owned
 
-
-PROBE_TIMEOUT = 1.0
-LAG_TICK = 0.1
-LAG_WARN = 0.25
+# The node's own timing, not a round's: none depends on a request or on link speed.
+PROBE_TIMEOUT = 1.0  # s: a live daemon answers a Join at once on any link we would average over
+LAG_TICK = 0.1  # s between event-loop lag samples
+LAG_WARN = 0.25  # s of blocked loop worth a warning: a round's start wait at the budget floor
+REJOIN_FIRST, REJOIN_MAX = 0.5, 2.0  # s: DHT rejoin backoff while alone (a few datagrams each)
+REJOIN_CHECK = 5.0  # s between checks once we have contacts
+DRAIN_CLEANUP = 1.0  # s for cancelled requests' cleanup (a grid run's last declaration)
+DRAIN_WITHDRAW = 1.5  # s for DHT withdrawals; what is left expires by TTL
+STOP_GRACE = 0.5  # s for in-flight gRPC calls when stopping
 
 
 class MoshpitNode:
@@ -69,12 +66,8 @@ class MoshpitNode:
             "dht": self.dht.protocol.rpcs["received", "any", "unauthenticated"]
             if getattr(self.dht, "protocol", None) else 0,
             "grpc": security.rejected, "data": self.registry.rejected})
-        self.deadlines = DeadlinePolicy()
-        self._settle = SettlePolicy()
         self.hooks = hooks  # the fault tests' (service.py installs them)
         self.data_endpoint = ""
-        self.matchmakers: dict[str, Matchmaker] = {}
-        self.runs: dict[str, RunDirectory] = {}
         self._active: dict[str, asyncio.Task[Any]] = {}  # key -> the request averaging it
         self.log = RoundLog(self.metrics)
         self.dht_addr = ("", 0)
@@ -85,11 +78,25 @@ class MoshpitNode:
         self.metrics.watch_dht(self.dht.peer_count, lambda: self.dht.protocol.rpcs
                                if getattr(self.dht, "protocol", None) else {})
         self.draining = False
-        self._finding: dict[str, asyncio.Task[Group]] = {}  # key -> matchmaking in progress
+        self._runner: RoundRunner | None = None
 
     @property
     def peer_id(self) -> bytes:
         return self.dht.peer_id
+
+    @property
+    def runner(self) -> RoundRunner:
+        if self._runner is None:
+            raise RuntimeError("the node runs requests once started")
+        return self._runner
+
+    @property
+    def matchmakers(self) -> dict[str, Matchmaker]:
+        return self._runner.matchmakers if self._runner is not None else {}
+
+    @property
+    def runs(self) -> dict[str, RunDirectory]:
+        return self._runner.runs if self._runner is not None else {}
 
     async def start(self) -> None:
         c = self.config
@@ -99,6 +106,10 @@ class MoshpitNode:
         dport = await self.registry.start(c.grpc_host, c.data_port)
         self.data_endpoint = format_hostport(c.advertise_host or c.grpc_host, dport)
         self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint, hooks=self.hooks)
+        self._runner = RoundRunner(c, Endpoints(self.peer_id, self.grpc_endpoint,
+                                                self.data_endpoint),
+                                   self.dht, self.pool, self.registry, self.hooks, self.metrics,
+                                   self.log, self._probe, lambda: self.draining)
         self._lag_task = asyncio.create_task(self._watch_loop_lag())
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
@@ -115,22 +126,22 @@ class MoshpitNode:
 
     async def _keep_bootstrapped(self) -> None:
         """A daemon may start before its bootstrap peers: keep trying while alone."""
-        delay = 0.5
+        delay = REJOIN_FIRST
         while True:
             await asyncio.sleep(delay)
             if self.dht.peer_count() == 0:
                 await self.dht.join(list(self.config.bootstrap))
-                delay = min(delay * 2, 2.0)  # a few datagrams: rejoin soon after a cut
+                delay = min(delay * 2, REJOIN_MAX)  # rejoin soon after a cut
             else:
-                delay = 5.0
+                delay = REJOIN_CHECK
 
     async def drain(self, timeout: float) -> None:
         """Leave the swarm cleanly: rounds still matching are left at once (our followers are
         released, our declarations withdrawn), rounds already averaging finish within
         `timeout`, and our DHT records are withdrawn so nobody waits for us."""
-        self.draining = True  # from here no round starts matchmaking (see _one_round)
+        self.draining = True  # from here no round starts matchmaking (see RoundRunner)
         await self.server.draining()
-        for task in self._finding.values():
+        for task in self._runner.finding.values() if self._runner is not None else ():
             task.cancel("daemon is draining")
         requests = set(self._active.values())
         if requests:
@@ -138,13 +149,13 @@ class MoshpitNode:
         for task in requests:
             task.cancel("daemon is draining")
         if requests:  # their cleanup (a grid run's last declaration) before we withdraw
-            await asyncio.wait(requests, timeout=1.0)
+            await asyncio.wait(requests, timeout=DRAIN_CLEANUP)
         withdrawals = [run.leave() for run in self.runs.values()]
         if self.states is not None:
             withdrawals.append(self.states.withdraw_all())
         withdrawals.append(wait_background())
         try:
-            async with asyncio.timeout(1.5):
+            async with asyncio.timeout(DRAIN_WITHDRAW):
                 await asyncio.gather(*withdrawals, return_exceptions=True)
         except TimeoutError:
             log.warning("drain: DHT withdrawals did not finish; the records expire by TTL")
@@ -156,7 +167,7 @@ class MoshpitNode:
             if task is not None:
                 task.cancel()
         await self.registry.stop()
-        await self.server.stop(0.5)
+        await self.server.stop(STOP_GRACE)
         await self.pool.close()
         self.dht.stop()
 
@@ -206,153 +217,9 @@ class MoshpitNode:
         self._active[request.key] = task
         try:  # NaN, Inf (and values fp16 would turn into Inf): reducers check every part they
             # receive, ButterflyRound our own span; a round spent alone checks everything
-            if request.grid is None:
-                rec, _, out = await self._one_round(request.key, request, view,
-                                                    request.weight, self._clock(request.timeout),
-                                                    None, request.group_size)
-                return AverageResult((rec,), None, None, *out)
-            return await self._grid_rounds(request, view)
+            return await self.runner.run(request, view)
         finally:
             del self._active[request.key]
-
-    async def _grid_rounds(self, request: AverageRequest, view: FlatView) -> AverageResult:
-        grid = request.grid
-        assert grid is not None
-        run = self.runs.get(request.key)
-        if run is not None and run.grid != grid:
-            raise GridMismatch(
-                f"run {request.key!r} uses grid {run.grid.size}^{run.grid.dims} on this daemon; "
-                f"this request asked for {grid.size}^{grid.dims}"
-            )
-        if run is None:
-            run = RunDirectory(self.dht, self.peer_id, request.key, grid, self.grpc_endpoint,
-                               self._probe)
-            self.runs[request.key] = run
-        final = time.monotonic() + request.timeout
-        weight = request.weight
-        records: list[tuple[int, RoundRecord]] = []
-        out: Outcome = ((), (), 0)  # spans, members, owned of the last round
-        for _ in range(request.rounds):
-            plan = await run.plan(request.initial_coords)
-            try:
-                clock = self._clock(final - time.monotonic())
-                if clock.remaining() <= 0:
-                    raise AllreduceError(f"timeout after {len(records)} of {request.rounds} "
-                                         "rounds")
-                try:
-                    rec, group, out = await self._one_round(
-                        plan.key, request, view, weight, clock, plan.expected, grid.size,
-                        single_attempt=True, watcher=run.watcher(plan.round))
-                    group_weight = sum(m.weight for m in group.members)
-                    members = len(group.members)
-                except GroupNotFound as exc:  # nobody came: a group of one keeps its value
-                    rec, out = exc.record, ((), (), 0)
-                    group_weight, members = weight, 1
-            finally:
-                await run.finish(plan.round)
-            records.append((plan.round, rec))
-            weight = carried_weight(group_weight, members)
-        assert run.coords is not None
-        return AverageResult(tuple(r for _, r in records), run.coords, records[-1][0], *out)
-
-    def _clock(self, timeout: float) -> RoundClock:
-        return RoundClock(timeout, self.config.matchmaking_seconds, self.deadlines)
-
-    async def _one_round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
-                         clock: RoundClock, expected: frozenset[bytes] | None, target: int,
-                         single_attempt: bool = False,
-                         watcher: LineWatcher | None = None
-                         ) -> tuple[RoundRecord, Group, Outcome]:
-        if self.draining:  # e.g. the next round of a multi-round grid request
-            raise ShuttingDown("moshpitd is shutting down: it starts no new round")
-        start = clock.start
-        attempt = clock.attempt()
-        match = MatchRequest(
-            key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation,
-                                               self.config.part_bytes),
-            weight=weight,
-            target_size=target, min_size=request.min_group_size,
-            attempt_seconds=attempt, expected=expected, codec=request.codec,
-            client_mode=self.config.client_mode, settle_seconds=self._settle.seconds,
-        )
-        me = Self(self.peer_id, self.grpc_endpoint, self.data_endpoint, self.config.bandwidth)
-        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self._probe)
-        self.matchmakers[key] = mm
-        finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt
-                                                      else clock.remaining()))
-        self._finding[key] = finding
-        try:
-            try:
-                group = await finding
-            except asyncio.CancelledError:
-                this = asyncio.current_task()
-                if self.draining and finding.cancelled() and not (this and this.cancelling()):
-                    raise ShuttingDown("moshpitd is shutting down: it left this round while "
-                                       "matchmaking") from None
-                finding.cancel()
-                raise
-        except NoPartners as exc:  # the round's record goes with it (to the grid loop)
-            exc.record = self.log.record(key, 1, 0, 0, start, time.monotonic(), "alone",
-                                         request.codec)
-            await self._refuse_alone(view, request.codec)
-            raise
-        except ShuttingDown:
-            self.log.record(key, 0, 0, 0, start, time.monotonic(), "shutting_down", request.codec)
-            raise
-        except BaseException as exc:
-            rec = self.log.record(key, 0, 0, 0, start, time.monotonic(), "matchmaking_failed",
-                                  request.codec)
-            if isinstance(exc, GroupNotFound):
-                exc.record = rec
-                await self._refuse_alone(view, request.codec)
-            raise
-        finally:
-            del self.matchmakers[key]
-            del self._finding[key]
-        assembled = time.monotonic()
-        if mm.last_join and group.members[0].peer_id == self.peer_id:  # we led it
-            self._settle.observe(mm.last_join - start)
-        log.debug("group %s assembled: %s", group.group_id.hex()[:8],
-                  [m.peer_id.hex()[:6] for m in group.members])
-        self.metrics.matchmaking_duration.observe(assembled - start)
-        self.metrics.group_size.observe(len(group.members))
-        if sum(m.weight for m in group.members) <= 0:
-            self.log.record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed",
-                         request.codec)
-            raise AllreduceError(f"every member of the group under {key!r} has weight 0: "
-                                 "there is no weighted mean")
-        try:
-            result = await self._allreduce(group, view, clock, request.aggregation)
-        except BaseException:
-            self.log.record(key, len(group.members), 0, 0, start, assembled, "allreduce_failed",
-                         request.codec)
-            raise
-        outcome = "ok" if result.parts_averaged == result.parts else "partial"
-        rec = self.log.record(key, result.group_size, result.bytes_sent, result.bytes_received,
-                           start, assembled, outcome, group.codec, result.excluded_parts)
-        return rec, group, (result.spans, tuple(m.peer_id.hex() for m in group.members),
-                            result.owned)
-
-    @staticmethod
-    async def _refuse_alone(view: FlatView, codec: str) -> None:
-        """A round without partners never reaches the per-part checks, yet a request with
-        NaN or Inf must still be refused (in a grid run, a round alone would keep them)."""
-        await asyncio.to_thread(view.check_finite, codec == "fp16")
-
-    async def _allreduce(self, group: Group, view: FlatView, clock: RoundClock,
-                         aggregation: str = "mean") -> RoundResult:
-        rnd = ButterflyRound(group, group.index_of(self.peer_id), view, get_codec(group.codec),
-                             self.registry.connect, self.config.part_bytes, self.hooks,
-                             aggregation, self.config.max_parts_in_flight,
-                             self.registry.hello if self.config.swarm_key is not None else None)
-        self.registry.register(rnd)
-        try:
-            result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))
-        finally:
-            self.registry.unregister(group.group_id)
-        if result.parts_averaged == result.parts:
-            clock.learn(result.bytes_sent + result.bytes_received, result.seconds)
-        return result
 
     async def _probe(self, endpoint: str) -> bool:
         """Is a peer's daemon alive? Any answer to Join counts; a refused connection does not."""

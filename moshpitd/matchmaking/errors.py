@@ -1,7 +1,5 @@
 """Matchmaking failures, each with a message a user can act on."""
 
-from typing import Any
-
 
 class MatchmakingError(Exception):
     """No group could be formed."""
@@ -9,8 +7,6 @@ class MatchmakingError(Exception):
 
 class GroupNotFound(MatchmakingError):
     """Not enough peers averaged under the key before the deadline."""
-
-    record: Any = None  # the daemon's RoundRecord of the round that found nobody
 
 
 class NoPartners(GroupNotFound):

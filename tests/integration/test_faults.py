@@ -28,6 +28,7 @@ import torch
 import moshpit
 from moshpitd.allreduce.deadlines import DeadlinePolicy
 from moshpitd.allreduce.layout import Run, plan_parts, span_bounds
+from moshpitd.clock import RoundClock
 from moshpitd.launcher import LocalSwarm
 from tests.integration.helpers import run_parallel
 
@@ -41,9 +42,10 @@ LOCAL: frozenset[int] = frozenset()  # a part that kept the peer's own values
 
 
 def _round_timing() -> tuple[float, float]:
-    """The budget and grace node._allreduce gives a fresh daemon's round of these inputs."""
-    budget = DeadlinePolicy().budget(4 * ELEMS * 4 * (PEERS - 1) // PEERS)  # wire bytes
-    return budget, min(1.0, 0.25 * budget)
+    """The budget and grace a fresh daemon's clock gives a round of these inputs."""
+    wire = 4 * ELEMS * 4 * (PEERS - 1) // PEERS  # sent plus received, codec none
+    d = RoundClock(3600.0, 5.0, DeadlinePolicy()).allreduce(wire)
+    return d.budget, d.grace
 
 
 BUDGET, GRACE = _round_timing()

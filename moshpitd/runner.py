@@ -1,0 +1,230 @@
+"""Running one averaging request: its rounds, each matchmaking then a butterfly round.
+
+The node (node.py) wires the parts together and owns the daemon's lifecycle; the runner gets
+what it needs through its constructor and returns what a round did as a RoundOutcome, never as
+data hung on an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundResult
+from moshpitd.allreduce.codecs import get_codec
+from moshpitd.allreduce.deadlines import DeadlinePolicy
+from moshpitd.allreduce.group import Group
+from moshpitd.allreduce.layout import FlatView, schema_hash
+from moshpitd.allreduce.registry import RoundRegistry
+from moshpitd.clock import RoundClock
+from moshpitd.dht.network import DHTNode
+from moshpitd.hooks import Hooks
+from moshpitd.matchmaking.errors import GroupNotFound, NoPartners
+from moshpitd.matchmaking.grid import carried_weight
+from moshpitd.matchmaking.matchmaker import LineWatcher, Matchmaker, MatchRequest, Self
+from moshpitd.matchmaking.request import SettlePolicy
+from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
+from moshpitd.metrics import Metrics
+from moshpitd.node_config import NodeConfig, ShuttingDown
+from moshpitd.rounds import AverageRequest, AverageResult, RoundLog, RoundRecord
+from moshpitd.transport.grpc_server import ChannelPool
+
+log = logging.getLogger("moshpitd.node")
+
+Probe = Callable[[str], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one round did: its record, and for a round that averaged, the group, the spans
+    (start, stop, contributors' mask), the members in mask bit order and what we reduced."""
+
+    record: RoundRecord
+    group: Group | None = None  # None: nobody came, we kept our values
+    spans: tuple[tuple[int, int, int], ...] = ()
+    members: tuple[str, ...] = ()
+    owned: int = 0
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    peer_id: bytes
+    grpc: str
+    data: str
+
+
+class RoundRunner:
+    def __init__(self, config: NodeConfig, me: Endpoints, dht: DHTNode, pool: ChannelPool,
+                 registry: RoundRegistry, hooks: Hooks, metrics: Metrics, rounds: RoundLog,
+                 probe: Probe, draining: Callable[[], bool]) -> None:
+        self.config = config
+        self.me = me
+        self.dht = dht
+        self.pool = pool
+        self.registry = registry
+        self.hooks = hooks
+        self.metrics = metrics
+        self.rounds = rounds
+        self.probe = probe
+        self.draining = draining
+        self.deadlines = DeadlinePolicy()  # the rate it learns outlives a request
+        self.settle = SettlePolicy()
+        self.matchmakers: dict[str, Matchmaker] = {}  # key -> matchmaking in progress
+        self.finding: dict[str, asyncio.Future[Group]] = {}
+        self.runs: dict[str, RunDirectory] = {}  # grid runs this daemon takes part in
+
+    def clock(self, timeout: float) -> RoundClock:
+        return RoundClock(timeout, self.config.matchmaking_seconds, self.deadlines)
+
+    async def run(self, request: AverageRequest, view: FlatView) -> AverageResult:
+        if request.grid is None:
+            out = await self._round(request.key, request, view, request.weight,
+                                    self.clock(request.timeout), None, request.group_size)
+            return AverageResult((out.record,), None, None, out.spans, out.members, out.owned)
+        return await self._grid_rounds(request, view)
+
+    async def _grid_rounds(self, request: AverageRequest, view: FlatView) -> AverageResult:
+        grid = request.grid
+        assert grid is not None
+        run = self.runs.get(request.key)
+        if run is not None and run.grid != grid:
+            raise GridMismatch(
+                f"run {request.key!r} uses grid {run.grid.size}^{run.grid.dims} on this daemon; "
+                f"this request asked for {grid.size}^{grid.dims}")
+        if run is None:
+            run = RunDirectory(self.dht, self.me.peer_id, request.key, grid, self.me.grpc,
+                               self.probe)
+            self.runs[request.key] = run
+        final = time.monotonic() + request.timeout
+        weight = request.weight
+        records: list[tuple[int, RoundOutcome]] = []
+        for _ in range(request.rounds):
+            plan = await run.plan(request.initial_coords)
+            try:
+                clock = self.clock(final - time.monotonic())
+                if clock.remaining() <= 0:
+                    raise AllreduceError(f"timeout after {len(records)} of {request.rounds} "
+                                         "rounds")
+                out = await self._round(plan.key, request, view, weight, clock, plan.expected,
+                                        grid.size, single_attempt=True,
+                                        watcher=run.watcher(plan.round))
+            finally:
+                await run.finish(plan.round)
+            records.append((plan.round, out))
+            if out.group is None:  # a group of one keeps its value
+                weight = carried_weight(weight, 1)
+            else:
+                weight = carried_weight(sum(m.weight for m in out.group.members),
+                                        len(out.group.members))
+        assert run.coords is not None
+        last = records[-1][1]
+        return AverageResult(tuple(o.record for _, o in records), run.coords, records[-1][0],
+                             last.spans, last.members, last.owned)
+
+    async def _round(self, key: str, request: AverageRequest, view: FlatView, weight: float,
+                     clock: RoundClock, expected: frozenset[bytes] | None, target: int,
+                     single_attempt: bool = False, watcher: LineWatcher | None = None
+                     ) -> RoundOutcome:
+        """One round. In a grid run (`single_attempt`), finding nobody is an outcome (we keep
+        our values); for a plain request it is the error the trainer gets."""
+        if self.draining():  # e.g. the next round of a multi-round grid request
+            raise ShuttingDown("moshpitd is shutting down: it starts no new round")
+        start = clock.start
+        codec = request.codec
+        try:
+            group = await self._find(key, request, weight, clock, expected, target,
+                                     single_attempt, watcher)
+        except GroupNotFound as exc:
+            rec = self.rounds.record(key, 1 if isinstance(exc, NoPartners) else 0, 0, 0, start,
+                                     time.monotonic(),
+                                     "alone" if isinstance(exc, NoPartners)
+                                     else "matchmaking_failed", codec)
+            await _refuse_alone(view, codec)
+            if single_attempt:
+                return RoundOutcome(rec)
+            raise
+        except ShuttingDown:
+            self.rounds.record(key, 0, 0, 0, start, time.monotonic(), "shutting_down", codec)
+            raise
+        except BaseException:
+            self.rounds.record(key, 0, 0, 0, start, time.monotonic(), "matchmaking_failed",
+                               codec)
+            raise
+        assembled = time.monotonic()
+        log.debug("group %s assembled: %s", group.group_id.hex()[:8],
+                  [m.peer_id.hex()[:6] for m in group.members])
+        self.metrics.matchmaking_duration.observe(assembled - start)
+        self.metrics.group_size.observe(len(group.members))
+        n = len(group.members)
+        try:
+            if sum(m.weight for m in group.members) <= 0:
+                raise AllreduceError(f"every member of the group under {key!r} has weight 0: "
+                                     "there is no weighted mean")
+            result = await self._allreduce(group, view, clock, request.aggregation)
+        except BaseException:
+            self.rounds.record(key, n, 0, 0, start, assembled, "allreduce_failed", codec)
+            raise
+        outcome = "ok" if result.parts_averaged == result.parts else "partial"
+        rec = self.rounds.record(key, result.group_size, result.bytes_sent,
+                                 result.bytes_received, start, assembled, outcome, group.codec,
+                                 result.excluded_parts)
+        return RoundOutcome(rec, group, result.spans,
+                            tuple(m.peer_id.hex() for m in group.members), result.owned)
+
+    async def _find(self, key: str, request: AverageRequest, weight: float, clock: RoundClock,
+                    expected: frozenset[bytes] | None, target: int, single_attempt: bool,
+                    watcher: LineWatcher | None) -> Group:
+        attempt = clock.attempt()
+        match = MatchRequest(
+            key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation,
+                                               self.config.part_bytes),
+            weight=weight, target_size=target, min_size=request.min_group_size,
+            attempt_seconds=attempt, expected=expected, codec=request.codec,
+            client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,
+        )
+        me = Self(self.me.peer_id, self.me.grpc, self.me.data, self.config.bandwidth)
+        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe)
+        self.matchmakers[key] = mm
+        finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt
+                                                      else clock.remaining()))
+        self.finding[key] = finding
+        try:
+            group = await finding
+        except asyncio.CancelledError:
+            this = asyncio.current_task()
+            if self.draining() and finding.cancelled() and not (this and this.cancelling()):
+                raise ShuttingDown("moshpitd is shutting down: it left this round while "
+                                   "matchmaking") from None
+            finding.cancel()
+            raise
+        finally:
+            del self.matchmakers[key]
+            del self.finding[key]
+        if mm.last_join and group.members[0].peer_id == self.me.peer_id:  # we led it
+            self.settle.observe(mm.last_join - clock.start)
+        return group
+
+    async def _allreduce(self, group: Group, view: FlatView, clock: RoundClock,
+                         aggregation: str) -> RoundResult:
+        rnd = ButterflyRound(group, group.index_of(self.me.peer_id), view,
+                             get_codec(group.codec), self.registry.connect,
+                             self.config.part_bytes, self.hooks, aggregation,
+                             self.config.max_parts_in_flight,
+                             self.registry.hello if self.config.swarm_key is not None else None)
+        self.registry.register(rnd)
+        try:
+            result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))
+        finally:
+            self.registry.unregister(group.group_id)
+        if result.parts_averaged == result.parts:
+            clock.learn(result.bytes_sent + result.bytes_received, result.seconds)
+        return result
+
+
+async def _refuse_alone(view: FlatView, codec: str) -> None:
+    """A round without partners never reaches the per-part checks, yet a request with NaN or
+    Inf must still be refused (in a grid run, a round alone would keep them)."""
+    await asyncio.to_thread(view.check_finite, codec == "fp16")
