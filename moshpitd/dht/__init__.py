@@ -1,4 +1,4 @@
-"""Kademlia DHT with subkey records (DESIGN §3)."""
+"""Kademlia DHT with subkey records (docs/architecture.md, "Wire protocol")."""
 
 from moshpitd.dht.network import DHTNode, SubRecord
 from moshpitd.dht.storage import SubkeyStorage

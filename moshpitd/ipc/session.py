@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from moshpitd import __version__
 from moshpitd.allreduce.butterfly import AllreduceError
@@ -28,11 +28,17 @@ from moshpitd.ipc.buffer import BufferError_, SharedBuffer
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
 from moshpitd.matchmaking.errors import MatchmakingError
 from moshpitd.matchmaking.grid import Grid, GridError
-from moshpitd.node import AverageRequest, ShuttingDown
+from moshpitd.node import AverageRequest, MoshpitNode, ShuttingDown
 from moshpitd.state import StateUnavailable
 
-if TYPE_CHECKING:
-    from moshpitd.ipc.server import IPCServer
+
+class SessionHost(Protocol):
+    """What a session needs of the server that accepted it (moshpitd/ipc/server.py)."""
+
+    node: MoshpitNode
+    draining: bool
+    metrics_endpoint: str
+    path: str
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,7 @@ def _field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], defaul
 
 
 class Session:
-    def __init__(self, server: IPCServer, conn: FramedSocket, number: int) -> None:
+    def __init__(self, server: SessionHost, conn: FramedSocket, number: int) -> None:
         self.server = server
         self.node = server.node
         self.conn = conn

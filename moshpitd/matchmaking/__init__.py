@@ -1,1 +1,2 @@
-"""Finding a group: declarations in the DHT, a leader per group, joins over gRPC (DESIGN §4)."""
+"""Finding a group: declarations in the DHT, a leader per group, joins over gRPC
+(docs/architecture.md, "Matchmaking")."""

@@ -7,7 +7,8 @@ failures, d consecutive rounds give every peer the exact global mean, from any s
 
 The round number is global per run: a peer that missed rounds (failed, slow, just joined) catches
 up to the latest round its peers declared before it declares itself, so it never falls out of
-phase with the grid (DESIGN §1 explains why hivemind's shift-register keys do worse).
+phase with the grid (docs/architecture.md, "Matchmaking", says why hivemind's shift-register
+keys do worse).
 """
 
 from __future__ import annotations

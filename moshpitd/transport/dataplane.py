@@ -13,7 +13,7 @@ contributors bitmask in RESULT, and in ABORT a reason code (BAD_VALUES: the fram
 refused as data, e.g. NaN/Inf, so its sender can check its own values and tell its trainer).
 A stream opens with the sender's HELLO; the owner answers READY (empty) once the stream is
 attached to its round, and the sender streams its parts once every owner is READY
-(links.START_WAIT).
+(allreduce/sender.py, ReadyGate).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Matchmaking (DESIGN §4). Protocol tests drive Matchmakers of MoshpitNodes running in this
-process, in one event loop (every Join still travels over gRPC); fault tests run real daemons:
-a leader killed under its followers, daemons whose clocks disagree by a minute."""
+"""Matchmaking (docs/architecture.md, "Matchmaking"). Protocol tests drive Matchmakers of
+MoshpitNodes running in this process, in one event loop (every Join still travels over gRPC);
+fault tests run real daemons: a leader killed under its followers, daemons whose clocks disagree
+by a minute."""
 
 from __future__ import annotations
 
