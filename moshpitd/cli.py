@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -70,6 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("moshpitd: configuration is valid", file=sys.stderr)
         return 0
     setup_logging(settings.log_level, settings.log_format)
+    # The daemon's numpy work is small per call and runs on the event loop: BLAS thread pools
+    # would only fight the other daemons and trainers for cores. Set before numpy loads, here
+    # and not on import, so that a trainer importing a daemon module keeps its own setting.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from moshpitd.service import serve  # the heavy imports only once settings are valid
 
     try:
