@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ class LateDHTPeer:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.settimeout(0.02)
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.rpcs: list[str] = []  # names, in arrival order
         self.changed = threading.Condition()
         self._due: list[tuple[float, bytes, tuple[str, int]]] = []
@@ -62,9 +63,8 @@ class LateDHTPeer:
                 self.rpcs.append(name)
                 self.changed.notify_all()
 
-    def wait_until(self, done: object, timeout: float) -> list[str]:
+    def wait_until(self, done: Callable[[list[str]], bool], timeout: float) -> list[str]:
         """The RPCs seen once `done(rpcs)` holds; fails after `timeout` seconds."""
-        assert callable(done)
         with self.changed:
             assert self.changed.wait_for(lambda: done(self.rpcs), timeout), self.rpcs
             return list(self.rpcs)
@@ -135,9 +135,8 @@ def test_matchmaking_attempt_timeout_bounds_each_attempt(tmp_path: Path) -> None
     d = start_daemon("mm", tmp_path, extra_args=["--matchmaking-attempt-timeout", "0.5",
                                                  "--dht-rpc-timeout", "0.2"])
     try:
-        with moshpit.Client(d.socket) as c:
-            with pytest.raises(moshpit.GroupNotFound) as info:
-                c.average([torch.ones(4)], key="nobody-else", group_size=2, timeout=4.0)
+        with moshpit.Client(d.socket) as c, pytest.raises(moshpit.GroupNotFound) as info:
+            c.average([torch.ones(4)], key="nobody-else", group_size=2, timeout=4.0)
         found = re.search(r"\((\d+) attempt\(s\)", str(info.value))
         assert found, str(info.value)
         assert int(found.group(1)) >= 2, str(info.value)
