@@ -2,8 +2,8 @@
 link rate (docs/architecture.md, "Deadline model").
 
 The request's timeout bounds everything. Matchmaking gets at most one attempt of
-`attempt_max` (the setting matchmaking_seconds) within it. Once the group is assembled, the
-round's budget is the policy's: `factor` times what a healthy round of this size takes at the
+`attempt_max` (the option matchmaking_attempt_timeout) within it. Once the group is assembled,
+the round's budget is the policy's: `factor` times what a healthy round of this size takes at the
 learnt rate, never below `floor`. The other deadlines are shares of that budget, chosen so that
 at the floor (2 s) they are the values the protocol was tuned with: start wait 0.25 s, stall
 window 1 s, grace 0.5 s. A bigger round on a slower link gets proportionally more of each.

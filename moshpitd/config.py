@@ -1,9 +1,12 @@
 """Daemon settings from flags, `MOSHPITD_*` environment variables and a TOML file.
 
-Every setting has one name: `part_size` is the file key, `MOSHPITD_PART_SIZE` the environment
-variable and `--part-size` the flag. Precedence: flags > environment > file > defaults. A value
-is checked once, here, whatever its source, so a typo in any of them stops the daemon at start
-with the key's name and the reason instead of surfacing as odd behaviour mid-training.
+Every option is declared once, as a field of `Settings` (moshpitd/option.py says how): its
+name gives the file key `part_size`, the environment variable `MOSHPITD_PART_SIZE` and the flag
+`--part-size`; its kind says how a value is read and bounded. Precedence: flags > environment >
+file > defaults. A value is checked once, here, whatever its source, so a typo in any of them
+stops the daemon at start with the key's name, its source and the reason instead of surfacing
+as odd behaviour mid-training. Adding an option is one `option(...)` line below plus its use;
+`python -m moshpitd.config_docs` then rewrites the example file and the README's table.
 """
 
 from __future__ import annotations
@@ -11,229 +14,200 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-ENV_PREFIX = "MOSHPITD_"
+from moshpitd.option import (
+    BOOL,
+    ENV_PREFIX,
+    HOSTPORT,
+    HOSTPORTS,
+    Choice,
+    Float,
+    HostPort,
+    Int,
+    Str,
+    declared,
+    option,
+    parse_hostport,
+)
+
 # variables with that prefix that are not settings (fault injection for tests, the file path)
 ENV_OTHER = frozenset({"MOSHPITD_CONFIG", "MOSHPITD_FAULT", "MOSHPITD_FAULT_MARKER"})
 DEFAULT_CONFIG = "/etc/moshpitd/moshpitd.toml"
+
+NETWORK = "Network"
+TRAINERS = "Trainers"
+AVERAGING = "Averaging"
+OPERATIONS = "Operations"
+SECURITY = "Security"
+LIMITS = "Limits: a request or peer over one is refused with a message naming the setting"
+
+__all__ = ["BY_KEY", "OPTIONS", "ConfigError", "HostPort", "Settings", "add_flags",
+           "config_keys", "load", "parse_hostport"]
 
 
 class ConfigError(ValueError):
     """A setting with an unknown key or a bad value; the message names the key and source."""
 
 
-HostPort = tuple[str, int]
-
-
-def parse_hostport(text: str) -> HostPort:
-    """host:port or [v6]:port; port 0 means any free port."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        number = int(port)
-    except ValueError:
-        raise ValueError(f"port of {text!r} is not a number") from None
-    if not 0 <= number <= 65535:
-        raise ValueError(f"port {number} of {text!r} is out of range 0..65535")
-    return host, number
-
-
-def _hostport(value: Any) -> HostPort:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a \"HOST:PORT\" string, got {type(value).__name__}")
-    return parse_hostport(value)
-
-
-def _hostports(value: Any) -> list[HostPort]:
-    """An array of "HOST:PORT" strings (file) or a comma-separated string (flag, env)."""
-    if isinstance(value, str):
-        value = [part.strip() for part in value.split(",") if part.strip()]
-    if not isinstance(value, list):
-        raise ValueError(f"expected a list of \"HOST:PORT\" strings, got {type(value).__name__}")
-    return [_hostport(v) for v in value]
-
-
-def _int(lo: int, hi: int) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        if isinstance(value, str):
-            value = int(value.strip(), 0)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected an integer, got {type(value).__name__}")
-        if not lo <= value <= hi:
-            raise ValueError(f"{value} is outside {lo}..{hi}")
-        return value
-    return check
-
-
-def _float(lo: float, hi: float, open_low: bool = False) -> Callable[[Any], float]:
-    def check(value: Any) -> float:
-        if isinstance(value, str):
-            value = float(value.strip())
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"expected a number, got {type(value).__name__}")
-        value = float(value)
-        if not (lo < value if open_low else lo <= value) or not value <= hi:
-            raise ValueError(f"{value} is outside {'(' if open_low else '['}{lo}, {hi}]")
-        return value
-    return check
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected true or false, got {value!r}")
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {type(value).__name__}")
-    return value
-
-
-def _choice(*choices: str, upper: bool = False) -> Callable[[Any], str]:
-    def check(value: Any) -> str:
-        text = _str(value).strip()
-        text = text.upper() if upper else text.lower()
-        if text not in choices:
-            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
-        return text
-    return check
-
-
-@dataclass(frozen=True)
-class Option:
-    key: str
-    parse: Callable[[Any], Any]
-    default: Any
-    help: str
-    metavar: str = ""
-    flag_kind: str = "value"  # "value" or "bool"
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.key.upper()
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.key.replace("_", "-")
-
-
-OPTIONS: tuple[Option, ...] = (
-    Option("dht_listen", _hostport, ("127.0.0.1", 0), "UDP address of the DHT", "HOST:PORT"),
-    Option("grpc_listen", _hostport, ("127.0.0.1", 0),
-           "TCP address for peers' gRPC streams and the health service", "HOST:PORT"),
-    Option("data_port", _int(0, 65535), 0, "TCP port of the tensor data plane, on the gRPC host",
-           "PORT"),
-    Option("advertise_host", _str, "",
-           "address peers use to reach this daemon (default: the gRPC host, or for a wildcard "
-           "host the local address of the route to the first bootstrap peer)", "HOST"),
-    Option("bootstrap", _hostports, [], "DHT addresses of running daemons; a name resolves to "
-           "all its addresses", "HOST:PORT[,HOST:PORT...]"),
-    Option("ipc_socket", _str, "/run/moshpitd/moshpitd.sock", "unix socket for trainers", "PATH"),
-    Option("metrics_listen", _hostport, ("127.0.0.1", 9464), "Prometheus /metrics address",
-           "HOST:PORT"),
-    Option("part_size", _int(1 << 12, 64 << 20), 1 << 20, "bytes per streamed part", "BYTES"),
-    Option("bandwidth", _float(0.0, 1e12, open_low=True), 1.0,
-           "relative share of each vector this peer reduces", "SHARE"),
-    Option("client_mode", _bool, False,
-           "this peer cannot accept connections (NAT): it never leads or reduces",
-           flag_kind="bool"),
-    Option("ready_file", _str, "", "write bound addresses here as JSON once listening", "PATH"),
-    Option("log_level", _choice("DEBUG", "INFO", "WARNING", "ERROR", upper=True), "INFO",
-           "log level", "LEVEL"),
-    Option("log_format", _choice("text", "json"), "text", "text for people, json for machines",
-           "FORMAT"),
-    Option("drain_timeout", _float(0.0, 600.0), 10.0,
-           "seconds a SIGTERM may take: rounds in progress finish within it", "SECONDS"),
-    # --- security (moshpitd/auth.py, moshpitd/transport/security.py)
-    Option("swarm_key_file", _str, "", "pre-shared secret (>= 16 bytes, mode 600): every DHT "
-           "datagram, gRPC message and data-plane stream is authenticated with it", "PATH"),
-    Option("tls_cert", _str, "", "PEM certificate for mutual TLS on gRPC", "PATH"),
-    Option("tls_key", _str, "", "PEM private key of tls_cert", "PATH"),
-    Option("tls_ca", _str, "", "PEM CA bundle that peers' certificates must chain to", "PATH"),
-    Option("tls_server_name", _str, "", "name expected in peers' certificates (default: the "
-           "dialled host, which then needs an IP SAN)", "NAME"),
-    # --- limits: each refusal says which limit and how to raise it
-    Option("max_request_bytes", _int(1, 1 << 40), 4 << 30,
-           "tensor bytes one averaging request may carry", "BYTES"),
-    Option("max_group_size", _int(2, 1024), 256,
-           "largest group a request may ask for or this daemon will lead", "N"),
-    Option("dht_max_records_per_key", _int(1, 1 << 16), 256,
-           "records (one per peer) this daemon stores under one DHT key", "N"),
-    Option("dht_max_value_bytes", _int(64, 4096), 1024, "bytes of one DHT record's value (a "
-           "record travels in one datagram)", "BYTES"),
-    Option("max_ipc_sessions", _int(1, 1 << 16), 64, "trainer connections at once", "N"),
-    Option("max_message_bytes", _int(1 << 16, 1 << 30), 64 << 20,
-           "largest gRPC message sent or received", "BYTES"),
-    Option("max_parts_in_flight", _int(1, 1 << 16), 64,
-           "parts a sender streams to a reducer before that reducer has answered them", "N"),
-)
-BY_KEY = {o.key: o for o in OPTIONS}
-
-
 @dataclass(frozen=True)
 class Settings:
-    dht_listen: HostPort = ("127.0.0.1", 0)
-    grpc_listen: HostPort = ("127.0.0.1", 0)
-    data_port: int = 0
-    advertise_host: str = ""
-    bootstrap: list[HostPort] = field(default_factory=list)
-    ipc_socket: str = "/run/moshpitd/moshpitd.sock"
-    metrics_listen: HostPort = ("127.0.0.1", 9464)
-    part_size: int = 1 << 20
-    bandwidth: float = 1.0
-    client_mode: bool = False
-    ready_file: str = ""
-    log_level: str = "INFO"
-    log_format: str = "text"
-    drain_timeout: float = 10.0
-    swarm_key_file: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    tls_server_name: str = ""
-    max_request_bytes: int = 4 << 30
-    max_group_size: int = 256
-    dht_max_records_per_key: int = 256
-    dht_max_value_bytes: int = 1024
-    max_ipc_sessions: int = 64
-    max_message_bytes: int = 64 << 20
-    max_parts_in_flight: int = 64
+    """Every daemon option, declared once."""
+
+    # --- network
+    dht_listen: HostPort = option(
+        HOSTPORT, ("127.0.0.1", 0), NETWORK,
+        "UDP address of the Kademlia DHT node: peers find each other here",
+        example="0.0.0.0:7700")
+    grpc_listen: HostPort = option(
+        HOSTPORT, ("127.0.0.1", 0), NETWORK,
+        "TCP address of the gRPC service: matchmaking, state downloads for peers joining a "
+        "running job, and the standard grpc.health.v1 health service",
+        example="0.0.0.0:7701")
+    data_port: int = option(
+        Int(0, 65535), 0, NETWORK,
+        "TCP port of the tensor data plane, on the host of grpc_listen; 0 picks any free port",
+        note="Any free port is fine on one machine, but a firewall then cannot know which port "
+        "to open.", example=7702)
+    advertise_host: str = option(
+        Str("HOST"), "", NETWORK,
+        "address peers use to reach this daemon, published in the DHT with its ports; empty: "
+        "the host of grpc_listen or, when that is a wildcard such as 0.0.0.0, the local address "
+        "of the route to the first bootstrap peer",
+        note="Set it to the public address behind NAT with port forwarding, or to the pod IP in "
+        "Kubernetes.")
+    bootstrap: list[HostPort] = option(
+        HOSTPORTS, [], NETWORK,
+        "DHT addresses of daemons already running; a host name resolves to every address it "
+        "has, so a headless Kubernetes Service works",
+        note="A daemon started before all of them keeps retrying: the order in which daemons "
+        "start does not matter. Leave it empty only on the very first daemon of a swarm.",
+        example=["10.0.0.1:7700", "10.0.0.2:7700"])
+    dht_rpc_timeout: float = option(
+        Float(0.05, 60.0, unit="s"), 1.0, NETWORK,
+        "seconds a DHT request waits for its answer before the contact counts as silent",
+        note="Two unanswered requests in a row drop a contact. Raise it only on links whose "
+        "round trip nears a second; it must stay below matchmaking_attempt_timeout, since "
+        "an attempt's DHT lookups run within it.")
+    # --- trainers
+    ipc_socket: str = option(
+        Str("PATH"), "/run/moshpitd/moshpitd.sock", TRAINERS,
+        "unix socket trainers connect to (mode 0660: the daemon's user and group)")
+    # --- averaging
+    part_size: int = option(
+        Int(4096, 64 << 20, unit="bytes"), 1 << 20, AVERAGING,
+        "bytes per streamed part of a tensor; every daemon of a swarm must use the same")
+    bandwidth: float = option(
+        Float(0.0, 1e12, open_low=True), 1.0, AVERAGING,
+        "relative share of each averaged vector this peer reduces: a peer with 3.0 reduces "
+        "three times as much as one with 1.0",
+        note="Raise it on machines with a fast network link.")
+    client_mode: bool = option(
+        BOOL, False, AVERAGING,
+        "this peer cannot accept incoming connections (behind NAT without port forwarding): "
+        "it never leads a group and reduces nothing, but still contributes and receives the "
+        "average")
+    matchmaking_attempt_timeout: float = option(
+        Float(0.1, 600.0, unit="s"), 5.0, AVERAGING,
+        "upper bound on one matchmaking attempt, within the request's own timeout",
+        note="A request that finds no group in one attempt declares itself again for the next; "
+        "a grid round gives up after one. A data-plane stream for a group this daemon has not "
+        "learnt of yet waits two attempts.")
+    # --- operations
+    metrics_listen: HostPort = option(
+        HOSTPORT, ("127.0.0.1", 9464), OPERATIONS, "address of the Prometheus /metrics endpoint",
+        note="Loopback by default; use 0.0.0.0:9464 for a remote Prometheus.")
+    ready_file: str = option(
+        Str("PATH"), "", OPERATIONS,
+        "once listening, write the bound addresses here as JSON (peer_id, dht, grpc, data, ipc, "
+        "metrics), atomically; empty: no file",
+        note="Scripts wait for this file instead of sleeping. Under systemd, e.g. "
+        "\"/run/moshpitd/ready.json\".")
+    log_level: str = option(
+        Choice(("DEBUG", "INFO", "WARNING", "ERROR"), upper=True), "INFO", OPERATIONS,
+        "log level")
+    log_format: str = option(
+        Choice(("text", "json")), "text", OPERATIONS,
+        "how log records are written: text, one line each for people, or json, one object "
+        "per line for machines (round lines carry key, group_size, bytes_sent, "
+        "bytes_received, seconds and result as fields)")
+    drain_timeout: float = option(
+        Float(0.0, 600.0, unit="s"), 10.0, OPERATIONS,
+        "seconds a SIGTERM may take: the daemon finishes or leaves its current round, "
+        "withdraws its DHT records and exits within it",
+        note="Keep it below the service manager's stop timeout (TimeoutStopSec=30 in "
+        "moshpitd.service, terminationGracePeriodSeconds in Kubernetes).")
+    # --- security (moshpitd/auth.py, moshpitd/transport/security.py)
+    swarm_key_file: str = option(
+        Str("PATH"), "", SECURITY,
+        "pre-shared secret (at least 16 bytes, not readable by others): every DHT datagram, "
+        "gRPC message and data-plane stream is authenticated with it; empty: no key (trusted "
+        "networks only)",
+        note="Like a libp2p private network: HMAC-SHA256 with a timestamp and a nonce, replays "
+        "dropped, so a daemon without the key can neither read nor store records nor join a "
+        "group. Make one with `openssl rand -hex 32 > swarm.key && chmod 600 swarm.key` and "
+        "give every daemon of the swarm the same file; under systemd, pass it as a credential "
+        "(see deploy/README.md). Clocks must agree within 30 s.")
+    tls_cert: str = option(
+        Str("PATH"), "", SECURITY,
+        "PEM certificate for mutual TLS on gRPC (matchmaking, state downloads, health); "
+        "tls_cert, tls_key and tls_ca are set together or not at all")
+    tls_key: str = option(Str("PATH"), "", SECURITY, "PEM private key of tls_cert")
+    tls_ca: str = option(Str("PATH"), "", SECURITY,
+                         "PEM CA bundle that peers' certificates must chain to")
+    tls_server_name: str = option(
+        Str("NAME"), "", SECURITY,
+        "name expected in peers' certificates; empty: the dialled address, which then needs an "
+        "IP SAN")
+    # --- limits: each refusal says which limit and how to raise it
+    max_request_bytes: int = option(
+        Int(1, 1 << 40, unit="bytes"), 4 << 30, LIMITS,
+        "tensor bytes one averaging request may carry")
+    max_group_size: int = option(
+        Int(2, 1024), 256, LIMITS, "largest group a request may ask for or this daemon will lead")
+    dht_max_records_per_key: int = option(
+        Int(1, 1 << 16), 256, LIMITS,
+        "records (one per peer) this daemon stores under one DHT key")
+    dht_max_value_bytes: int = option(
+        Int(64, 4096, unit="bytes"), 1024, LIMITS,
+        "bytes of one DHT record's value (a record travels in one datagram)")
+    max_ipc_sessions: int = option(Int(1, 1 << 16), 64, LIMITS, "trainer connections at once")
+    max_message_bytes: int = option(
+        Int(1 << 16, 1 << 30, unit="bytes"), 64 << 20, LIMITS,
+        "largest gRPC message sent or received")
+    max_parts_in_flight: int = option(
+        Int(1, 1 << 16), 64, LIMITS,
+        "parts a sender streams to a reducer before that reducer has answered them")
+
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def describe(self) -> dict[str, Any]:
-        """Every setting with its effective value and where it came from."""
-        out: dict[str, Any] = {}
-        for o in OPTIONS:
-            value = getattr(self, o.key)
-            if o.parse is _hostport:
-                value = f"{value[0]}:{value[1]}"
-            elif o.parse is _hostports:
-                value = [f"{h}:{p}" for h, p in value]
-            out[o.key] = {"value": value, "source": self.sources.get(o.key, "default")}
-        return out
+        """Every setting with its effective value (as a file or flag would give it) and where it
+        came from: what `--check-config` prints."""
+        return {o.key: {"value": o.kind.show(getattr(self, o.key)),
+                        "source": self.sources.get(o.key, "default")} for o in OPTIONS}
+
+
+OPTIONS = declared(Settings)
+BY_KEY = {o.key: o for o in OPTIONS}
+
+
+def config_keys() -> Sequence[str]:
+    return [o.key for o in OPTIONS]
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; SUPPRESS keeps absent flags out of the namespace (precedence)."""
     for o in OPTIONS:
-        text = f"{o.help} (default {o.default!r}; env {o.env})"
-        if o.flag_kind == "bool":
+        text = f"{o.doc} ({o.summary()}; env {o.env})".replace("%", "%%")
+        if o.is_bool:
             parser.add_argument(o.flag, dest=o.key, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=text)
         else:
             parser.add_argument(o.flag, dest=o.key, default=argparse.SUPPRESS,
-                                metavar=o.metavar or None, help=text)
+                                metavar=o.kind.metavar(), help=text)
 
 
 def read_file(path: str) -> dict[str, Any]:
@@ -285,13 +259,22 @@ def load(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
         except ValueError as exc:
             raise ConfigError(f"{source}: bad value for {o.key}: {exc}") from None
         sources[o.key] = source
-    tls = [k for k in ("tls_cert", "tls_key", "tls_ca") if values.get(k)]
+    settings = Settings(**values, sources=sources)
+    check_together(settings)
+    return settings
+
+
+def check_together(s: Settings) -> None:
+    """Options that are only valid together."""
+    tls = [k for k in ("tls_cert", "tls_key", "tls_ca") if getattr(s, k)]
     if tls and len(tls) != 3:
         missing = sorted({"tls_cert", "tls_key", "tls_ca"} - set(tls))
         raise ConfigError(f"TLS needs tls_cert, tls_key and tls_ca together; {', '.join(tls)} "
                           f"set but {', '.join(missing)} missing")
-    return Settings(**values, sources=sources)
-
-
-def config_keys() -> Sequence[str]:
-    return [o.key for o in OPTIONS]
+    if s.dht_rpc_timeout >= s.matchmaking_attempt_timeout:
+        def said(key: str) -> str:
+            return f"{getattr(s, key):g} s from {s.sources.get(key, 'the default')}"
+        raise ConfigError(
+            f"dht_rpc_timeout ({said('dht_rpc_timeout')}) must be below "
+            f"matchmaking_attempt_timeout ({said('matchmaking_attempt_timeout')}): a "
+            "matchmaking attempt's DHT lookups run within it")

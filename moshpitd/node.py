@@ -57,11 +57,11 @@ class MoshpitNode:
         self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout, auth=config.swarm_key,
                            storage=SubkeyStorage(max_subkeys=config.dht_max_records_per_key,
                                                  max_value_bytes=config.dht_max_value_bytes))
-        self.pool = ChannelPool(config.max_message, security)
-        self.server = AveragerServer(self._handle_join, self._handle_state, config.max_message,
-                                     security)
-        self.registry = RoundRegistry(config.part_bytes * 2 + 4096, config.swarm_key,
-                                     stream_wait(config.matchmaking_seconds))
+        self.pool = ChannelPool(config.max_message_bytes, security)
+        self.server = AveragerServer(self._handle_join, self._handle_state,
+                                     config.max_message_bytes, security)
+        self.registry = RoundRegistry(config.part_size * 2 + 4096, config.swarm_key,
+                                     stream_wait(config.matchmaking_attempt_timeout))
         self.metrics.watch_auth(lambda: {
             "dht": self.dht.protocol.rpcs["received", "any", "unauthenticated"]
             if getattr(self.dht, "protocol", None) else 0,
@@ -100,11 +100,12 @@ class MoshpitNode:
 
     async def start(self) -> None:
         c = self.config
-        self.dht_addr = await self.dht.start(c.dht_host, c.dht_port)
-        port = await self.server.start(c.grpc_host, c.grpc_port)
-        self.grpc_endpoint = format_hostport(c.advertise_host or c.grpc_host, port)
-        dport = await self.registry.start(c.grpc_host, c.data_port)
-        self.data_endpoint = format_hostport(c.advertise_host or c.grpc_host, dport)
+        self.dht_addr = await self.dht.start(*c.dht_listen)
+        grpc_host, grpc_port = c.grpc_listen
+        port = await self.server.start(grpc_host, grpc_port)
+        self.grpc_endpoint = format_hostport(c.advertise_host or grpc_host, port)
+        dport = await self.registry.start(grpc_host, c.data_port)
+        self.data_endpoint = format_hostport(c.advertise_host or grpc_host, dport)
         self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint, hooks=self.hooks)
         self._runner = RoundRunner(c, Endpoints(self.peer_id, self.grpc_endpoint,
                                                 self.data_endpoint),

@@ -4,39 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moshpitd.allreduce.layout import DEFAULT_PART_BYTES
 from moshpitd.auth import SwarmKey
-from moshpitd.transport.grpc_server import DEFAULT_MAX_MESSAGE
+from moshpitd.config import OPTIONS, Settings
+from moshpitd.option import format_hostport
 from moshpitd.transport.security import TLSFiles
+
+__all__ = ["NodeConfig", "ShuttingDown", "format_hostport"]
 
 
 class ShuttingDown(Exception):
     """The daemon is draining: it takes no new rounds and left the one it was matching for."""
 
 
-def format_hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 @dataclass(frozen=True)
-class NodeConfig:
-    dht_host: str = "127.0.0.1"
-    dht_port: int = 0
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int = 0
-    advertise_host: str = ""  # how peers reach us; default grpc_host
-    data_port: int = 0  # the data plane listens on grpc_host
-    bandwidth: float = 1.0  # relative share of each vector this peer offers to reduce
-    client_mode: bool = False
-    bootstrap: tuple[tuple[str, int], ...] = ()
-    dht_rpc_timeout: float = 1.0
-    part_bytes: int = DEFAULT_PART_BYTES
-    max_message: int = DEFAULT_MAX_MESSAGE
-    matchmaking_seconds: float = 5.0
+class NodeConfig(Settings):
+    """Every option (declared in config.Settings, so none is restated here), with what the
+    service makes of them at start: the advertised host resolved, the secrets loaded."""
+
     swarm_key: SwarmKey | None = None  # seals DHT datagrams, gRPC messages, data-plane HELLOs
     tls: TLSFiles | None = None  # mutual TLS on gRPC
-    max_group_size: int = 256
-    max_request_bytes: int = 4 << 30
-    dht_max_records_per_key: int = 256
-    dht_max_value_bytes: int = 1024
-    max_parts_in_flight: int = 64
+
+    @classmethod
+    def of(cls, settings: Settings, advertise_host: str, swarm_key: SwarmKey | None = None,
+           tls: TLSFiles | None = None) -> NodeConfig:
+        values = {o.key: getattr(settings, o.key) for o in OPTIONS}
+        values["advertise_host"] = advertise_host
+        return cls(**values, swarm_key=swarm_key, tls=tls, sources=settings.sources)

@@ -77,7 +77,7 @@ class RoundRunner:
         self.runs: dict[str, RunDirectory] = {}  # grid runs this daemon takes part in
 
     def clock(self, timeout: float) -> RoundClock:
-        return RoundClock(timeout, self.config.matchmaking_seconds, self.deadlines)
+        return RoundClock(timeout, self.config.matchmaking_attempt_timeout, self.deadlines)
 
     async def run(self, request: AverageRequest, view: FlatView) -> AverageResult:
         if request.grid is None:
@@ -180,7 +180,7 @@ class RoundRunner:
         attempt = clock.attempt()
         match = MatchRequest(
             key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation,
-                                               self.config.part_bytes),
+                                               self.config.part_size),
             weight=weight, target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, expected=expected, codec=request.codec,
             client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,
@@ -211,7 +211,7 @@ class RoundRunner:
                          aggregation: str) -> RoundResult:
         rnd = ButterflyRound(group, group.index_of(self.me.peer_id), view,
                              get_codec(group.codec), self.registry.connect,
-                             self.config.part_bytes, self.hooks, aggregation,
+                             self.config.part_size, self.hooks, aggregation,
                              self.config.max_parts_in_flight,
                              self.registry.hello if self.config.swarm_key is not None else None)
         self.registry.register(rnd)

@@ -89,18 +89,7 @@ def advertised_host(settings: Settings) -> str:
 
 async def serve(settings: Settings, swarm_key: SwarmKey | None = None,
                 tls: TLSFiles | None = None) -> int:
-    config = NodeConfig(
-        dht_host=settings.dht_listen[0], dht_port=settings.dht_listen[1],
-        grpc_host=settings.grpc_listen[0], grpc_port=settings.grpc_listen[1],
-        advertise_host=advertised_host(settings), bootstrap=tuple(settings.bootstrap),
-        data_port=settings.data_port, bandwidth=settings.bandwidth,
-        client_mode=settings.client_mode, part_bytes=settings.part_size,
-        swarm_key=swarm_key, tls=tls, max_message=settings.max_message_bytes,
-        max_group_size=settings.max_group_size, max_request_bytes=settings.max_request_bytes,
-        dht_max_records_per_key=settings.dht_max_records_per_key,
-        dht_max_value_bytes=settings.dht_max_value_bytes,
-        max_parts_in_flight=settings.max_parts_in_flight,
-    )
+    config = NodeConfig.of(settings, advertised_host(settings), swarm_key, tls)
     if swarm_key is not None:
         log.info("swarm key fingerprint %s: only daemons with the same key are peers",
                  swarm_key.fingerprint)

@@ -28,11 +28,19 @@ from moshpitd.transport.grpc_server import ChannelPool
 
 log = logging.getLogger(__name__)
 
-DONOR_TTL = 120.0
-CHUNK = 1 << 20
-RANGE = 4 << 20
-MAX_DONORS = 4
-MAX_HEADER = 1 << 20
+DONOR_TTL = 120.0  # s a donor record lives: a trainer republishes far more often than this
+CHUNK = 1 << 20  # bytes of state per streamed StateChunk
+RANGE = 4 << 20  # bytes per digested range: what a download checks and moves between donors
+MAX_DONORS = 4  # donors one download reads from at once
+MAX_HEADER = 1 << 20  # bytes of a state header (tensor list, meta, one digest per range)
+MAX_STATE_BYTES = 1 << 40  # a donor record announcing more is malformed (max_request_bytes' cap)
+# Protocol constants of finding a donor, not options: none depends on the link or the swarm,
+# and the request's own timeout bounds the whole search.
+HEADER_WAIT_MAX = 5.0  # s for one donor to answer a header request (one small message): one
+# that is hung or unreachable must not take the whole timeout from the other holders
+HEADER_WAIT_MIN = 0.1  # s: a donor asked as the deadline passes still gets a real try
+DONOR_POLL = 0.2  # s between DHT lookups while no donor has answered (e.g. none published
+# yet): each lookup asks the k closest nodes, and a new donor is found within this
 LEASE = 60.0  # a version a joiner asked for stays served this long after its last request
 MAX_KEPT = 3  # versions kept per key: the latest and ones still being downloaded
 SUPERSEDED_GRACE = 10.0  # a replaced version stays served this long
@@ -173,7 +181,7 @@ class StateStore:
             try:
                 endpoint, version, total = msgpack.unpackb(rec.value)
                 if isinstance(endpoint, str) and isinstance(version, int) and \
-                        isinstance(total, int) and 0 <= total < 1 << 40:
+                        isinstance(total, int) and 0 <= total < MAX_STATE_BYTES:
                     out.append(Donor(pid, endpoint, version, total))
             except Exception:  # a malformed record is no donor
                 continue
@@ -196,10 +204,11 @@ class StateStore:
                 holders = [d for d in donors if d.version == v or (version and d.version > v)]
                 gone = 0  # holders that answered they no longer have it
                 for d in holders:
+                    wait = min(max(deadline - time.monotonic(), HEADER_WAIT_MIN),
+                               HEADER_WAIT_MAX)
                     try:
                         chunk = await _first(pool, d, pb.StateRequest(key=key, length=0,
-                                                                      version=v),
-                                             min(max(deadline - time.monotonic(), 0.1), 5.0))
+                                                                      version=v), wait)
                         info = _check_header(msgpack.unpackb(chunk.header), chunk.total)
                         holders = [replace(h, version=v, total=chunk.total) for h in holders]
                         first = replace(d, version=v, total=chunk.total)
@@ -215,7 +224,7 @@ class StateStore:
                 what = f"version {version} of run {key!r}" if version else f"run {key!r}"
                 raise StateUnavailable(f"no donor answered for {what} within "
                                        f"{timeout:.1f} s ({len(donors)} declared)")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(DONOR_POLL)
 
     async def download(self, key: str, info: dict[str, Any], donors: list[Donor],
                        into: memoryview, pool: ChannelPool, timeout: float) -> int:

@@ -66,10 +66,11 @@ class DHTNode(Server):
     storage: SubkeyStorage
 
     def __init__(
-        self, node_id: bytes | None = None, ksize: int = 20, alpha: int = 3,
-        rpc_timeout: float = 1.0, storage: SubkeyStorage | None = None,
-        auth: SwarmKey | None = None,
+        self, *, rpc_timeout: float, node_id: bytes | None = None, ksize: int = 20,
+        alpha: int = 3, storage: SubkeyStorage | None = None, auth: SwarmKey | None = None,
     ) -> None:
+        """`rpc_timeout`: seconds each RPC waits for its answer (the option
+        dht_rpc_timeout; rpcudp's own default of 5 s is never used)."""
         super().__init__(ksize=ksize, alpha=alpha, node_id=node_id,
                          storage=storage or SubkeyStorage())
         self.rpc_timeout = rpc_timeout

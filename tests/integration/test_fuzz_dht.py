@@ -229,9 +229,10 @@ def test_fuzz_dht(target: Target) -> None:
 
 
 def test_declaration_visible_in_later_attempts(target: Target) -> None:
-    """A peer still matchmaking after its first attempt (matchmaking_seconds, 5 s) is still
-    declared in the DHT, not withdrawn. (The DHT fuzzing found it: a first attempt slowed down
-    by silent contacts left two peers each seeing the other's tombstone until the timeout.)"""
+    """A peer still matchmaking after its first attempt (matchmaking_attempt_timeout, 5 s)
+    is still declared in the DHT, not withdrawn. (The DHT fuzzing found it: a first attempt
+    slowed down by silent contacts left two peers each seeing the other's tombstone until the
+    timeout.)"""
     key = "fuzz-lonely"
     peer = target.swarm.daemons[1]
     with moshpit.Client(peer.socket) as c:
