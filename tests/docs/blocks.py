@@ -122,13 +122,13 @@ def parse(path: Path, text: str | None = None) -> list[Block]:
         if m:
             if pending is not None:
                 raise DocError(f"{path}:{pending.line}: marker not followed by a code block")
-            body = m["body"].strip()
+            text = m["body"].strip()
             if m["kind"] == "not-run":
-                if not body:
+                if not text:
                     raise DocError(f"{where}: `not-run` needs a reason")
-                pending = Marker("not-run", body, i + 1)
+                pending = Marker("not-run", text, i + 1)
             else:
-                pending = Marker("run", body, i + 1, _options(body, where))
+                pending = Marker("run", text, i + 1, _options(text, where))
             i += 1
             continue
         fence = FENCE.match(line)

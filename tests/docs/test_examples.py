@@ -3,6 +3,7 @@ it talks to one (tests/docs/blocks.py says how blocks are marked, runner.py how 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,6 @@ def test_documents_link_each_other() -> None:
 
 
 def _relative_links(text: str) -> list[str]:
-    import re
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
     return [t for t in links if "://" not in t and not t.startswith("mailto:")]
 
