@@ -22,19 +22,29 @@ def test_every_example_runs_or_is_exempt() -> None:
 
 
 def test_documents_link_each_other() -> None:
-    """The front page reaches every document, and no relative link is broken."""
+    """The front page reaches every document, and no relative link or anchor is broken."""
     readme = doc_files()[0]
     text = readme.read_text()
     for doc in doc_files()[1:]:
         assert f"docs/{doc.name}" in text, f"README.md does not link docs/{doc.name}"
     for doc in doc_files():
-        for target in _relative_links(doc.read_text()):
-            assert (doc.parent / target).exists(), f"{doc.name}: broken link {target}"
+        for target, anchor in _relative_links(doc.read_text()):
+            path = (doc.parent / target) if target else doc
+            assert path.exists(), f"{doc.name}: broken link {target}"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path.read_text()), f"{doc.name}: no #{anchor} in {path}"
 
 
-def _relative_links(text: str) -> list[str]:
-    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-    return [t for t in links if "://" not in t and not t.startswith("mailto:")]
+def _relative_links(text: str) -> list[tuple[str, str]]:
+    links = re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text)
+    return [(t, a) for t, a in links if "://" not in t and not t.startswith("mailto:")]
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", re.sub(r"```.*?```", "", text, flags=re.S),
+                          flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
 
 
 @pytest.mark.parametrize("block", EXAMPLES, ids=[b.where for b in EXAMPLES])
