@@ -8,6 +8,7 @@ run it. An HTML comment on the line before the fence (blank lines between are al
 - `<!-- run: trainers=N -->` (python): N copies run at once, trainer i talking to daemon i of a
   shared swarm through `MOSHPIT_SOCKET`; each of their daemons must then have recorded a
   round that averaged with a peer. Without it one copy runs, on the swarm's last daemon.
+  `same-output` (with trainers=N): every copy must print the same thing (a consensus).
 - `<!-- run: until "REGEX" -->` (shell): the block runs until stopped, like a daemon in the
   foreground; once its output matches REGEX it gets SIGINT (Ctrl-C) and must exit 0.
 
@@ -73,6 +74,10 @@ class Block:
         return int(self.marker.options.get("trainers", "1")) if self.marker else 1
 
     @property
+    def same_output(self) -> bool:
+        return self.marker is not None and "same-output" in self.marker.options
+
+    @property
     def until(self) -> str | None:
         return self.marker.options.get("until") if self.marker else None
 
@@ -100,10 +105,14 @@ def _options(marker_text: str, where: str) -> dict[str, str]:
             options["until"] = pattern
             i += 2
             continue
+        if word == "same-output":
+            options[word] = "yes"
+            i += 1
+            continue
         name, sep, value = word.partition("=")
         if name != "trainers" or not sep or not value.isdigit() or not 1 <= int(value) <= 4:
             raise DocError(f"{where}: unknown run option {word!r} (trainers=1..4, "
-                           f"until \"REGEX\")")
+                           f"same-output, until \"REGEX\")")
         options[name] = value
         i += 1
     return options
@@ -173,6 +182,8 @@ def check(blocks: list[Block]) -> list[str]:
                 problems.append(f"{b.where}: trainers= is for python examples")
             if "until" in b.marker.options and b.lang not in SHELL:
                 problems.append(f"{b.where}: until is for shell examples")
+            if "same-output" in b.marker.options and b.trainers < 2:
+                problems.append(f"{b.where}: same-output needs trainers=2 or more")
     return problems
 
 

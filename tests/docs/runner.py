@@ -184,6 +184,9 @@ def run_python(block: Block, swarm: LocalSwarm, workdir: Path) -> list[Outcome]:
             raise _fail(block, f"trainer {n} of {len(outcomes)} exited with "
                         f"{outcome.returncode} (-1: still running after {TIMEOUT:.0f} s)",
                         outcome.output)
+    if block.same_output and len({o.output for o in outcomes}) > 1:
+        raise _fail(block, "the trainers printed different things",
+                    "\n".join(f"trainer {n}: {o.output}" for n, o in enumerate(outcomes)))
     if len(indices) > 1:
         for i in indices:
             if not averaged_rounds(swarm.daemons[i].socket, started):

@@ -42,6 +42,8 @@ def test_markers_must_fit_their_block() -> None:
     assert "until is for shell" in check(blocks(
         '<!-- run: until "x" -->\n```python\nx = 1\n```\n'))[0]
     assert "never run" in check(blocks("<!-- not-run: why -->\n```toml\na = 1\n```\n"))[0]
+    assert "same-output needs" in check(blocks(
+        "<!-- run: same-output -->\n```python\nx = 1\n```\n"))[0]
 
 
 @pytest.mark.parametrize("text, message", [

@@ -53,3 +53,13 @@ def test_shell_examples_see_the_swarm_daemon(docs_swarm: LocalSwarm, tmp_path: P
                      docs_swarm, tmp_path)
     assert outcome.output.split() == [docs_swarm.daemons[0].socket] * 2
     assert not processes_naming(tmp_path)
+
+
+def test_same_output_needs_the_same_output(docs_swarm: LocalSwarm, tmp_path: Path) -> None:
+    example = block("<!-- run: trainers=2 same-output -->\n```python\nimport os\n"
+                    "import torch\nimport moshpit\n"
+                    "client = moshpit.Client(os.environ['MOSHPIT_SOCKET'])\n"
+                    "client.average([torch.zeros(4)], key='same-output-check')\n"
+                    "print(os.getpid())\n```\n")
+    with pytest.raises(ExampleFailed, match="printed different things"):
+        run(example, docs_swarm, tmp_path)
