@@ -68,11 +68,10 @@ def copy_project(tmp_path: Path) -> Path:
 
 def test_the_table_is_found_and_rewritten_wherever_it_moves(tmp_path: Path) -> None:
     root = copy_project(tmp_path)
-    readme = (root / "README.md").read_text()
-    start, end = readme.index(TABLE_BEGIN), readme.index(TABLE_END) + len(TABLE_END)
     stale = "| key | meaning |\n| --- | --- |\n| `part_size` | old text |\n"
     block = f"{TABLE_BEGIN}\n{stale}{TABLE_END}"
-    (root / "README.md").write_text(readme[:start] + "see docs/operator.md" + readme[end:])
+    # the table may live in README.md or move to any docs/*.md: here it is in operator.md only
+    (root / "README.md").write_text("# moshpit\n\nSettings: see docs/operator.md\n")
     (root / "docs" / "operator.md").write_text(f"# Operating\n\n{block}\n\nAfter.\n")
     (root / EXAMPLE_FILE).write_text("part_size = 1\n")
     found = marked_blocks(root)

@@ -222,3 +222,58 @@ def test_kubernetes_config_accepted_by_daemon(tmp_path: Path) -> None:
     path.write_text(configmap["data"]["moshpitd.toml"])
     env = {e["name"]: e.get("value", "10.244.1.7") for e in container["env"]}  # podIP example
     check_config(path, env)
+
+
+@pytest.mark.parametrize("path", sorted((DEPLOY / "kubernetes").glob("*.y*ml")),
+                         ids=lambda p: p.name)
+def test_every_manifest_parses(path: Path) -> None:
+    with path.open() as f:
+        docs = [doc for doc in yaml.safe_load_all(f) if doc]
+    assert docs, f"{path} holds no objects"
+    for doc in docs:
+        assert isinstance(doc, dict), f"{path}: a document is not a mapping"
+        assert doc.get("apiVersion") and doc.get("kind"), doc
+        assert doc.get("metadata", {}).get("name"), f"{path}: a {doc['kind']} without a name"
+
+
+def test_kubernetes_ports_and_mounts_follow_the_config() -> None:
+    """The probes, ports, annotations and mounts name what the ConfigMap's daemon binds."""
+    docs = manifest_documents()
+    (namespace,) = [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"]
+    for doc in docs:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == namespace, doc["metadata"]
+    ds = one_of_kind(docs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == one_of_kind(docs, "ServiceAccount")["metadata"]["name"]
+    config = tomllib.loads(one_of_kind(docs, "ConfigMap")["data"]["moshpitd.toml"])
+
+    def port(hostport: str) -> int:
+        return int(hostport.rpartition(":")[2])
+
+    (container,) = pod["containers"]
+    named = {p["name"]: (p["containerPort"], p.get("protocol", "TCP"))
+             for p in container["ports"]}
+    assert named["dht"] == (port(config["dht_listen"]), "UDP")
+    assert named["grpc"] == (port(config["grpc_listen"]), "TCP")
+    assert named["data"] == (config["data_port"], "TCP")
+    assert named["metrics"] == (port(config["metrics_listen"]), "TCP")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == named["grpc"][0], probe
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == named["metrics"][0]
+
+    service = one_of_kind(docs, "Service")
+    for p in service["spec"]["ports"]:
+        assert p["targetPort"] in named, p
+        assert (p["port"], p.get("protocol", "TCP")) == named[p["targetPort"]], p
+
+    volumes = {v["name"] for v in pod["volumes"]}
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        for mount in c.get("volumeMounts", []):
+            assert mount["name"] in volumes, (c["name"], mount)
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    config_path = container["command"][container["command"].index("--config") + 1]
+    assert str(Path(config_path).parent) in mounts, config_path
+    assert str(Path(config["ipc_socket"]).parent) in mounts, config["ipc_socket"]
+    assert not mounts[str(Path(config["ipc_socket"]).parent)].get("readOnly", False)
