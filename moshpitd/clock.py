@@ -7,6 +7,8 @@ round's budget is the policy's: `factor` times what a healthy round of this size
 learnt rate, never below `floor`. The other deadlines are shares of that budget, chosen so that
 at the floor (2 s) they are the values the protocol was tuned with: start wait 0.25 s, stall
 window 1 s, grace 0.5 s. A bigger round on a slower link gets proportionally more of each.
+
+Each matchmaking attempt has an `AttemptClock`: its end, and the waits derived from it.
 """
 
 from __future__ import annotations

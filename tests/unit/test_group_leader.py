@@ -27,7 +27,8 @@ def join(peer: int, weight: float = 1.0) -> pb.JoinRequest:
 
 def leader(joins: list[int], *, target: int = 4, client_mode: bool = False,
            weight: float = 1.0) -> GroupLeader:
-    request = MatchRequest("k", SCHEMA, weight, target, client_mode=client_mode)
+    request = MatchRequest("k", SCHEMA, weight, target, client_mode=client_mode,
+                           attempt_seconds=5.0, settle_seconds=0.5)
     return GroupLeader(ME, request, lambda: joins.append(1))
 
 
