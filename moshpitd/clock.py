@@ -7,11 +7,15 @@ the round's budget is the policy's: `factor` times what a healthy round of this 
 learnt rate, never below `floor`. The other deadlines are shares of that budget, chosen so that
 at the floor (2 s) they are the values the protocol was tuned with: start wait 0.25 s, stall
 window 1 s, grace 0.5 s. A bigger round on a slower link gets proportionally more of each.
+
+Each matchmaking attempt has an `AttemptClock`: its end, and the waits derived from it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from moshpitd.allreduce.deadlines import DeadlinePolicy, RoundDeadlines
 
@@ -20,6 +24,27 @@ STALL_SHARE = 1 / 2  # of the budget: the stall window past the deadline
 GRACE_SHARE = 1 / 4  # of the budget: owners' results after our deadline and hard stop
 MIN_ROUND = 0.05  # s: a round that starts this close to the request's end still gets this
 STREAM_WAIT_ATTEMPTS = 2  # a stream for a group we have not learnt of waits this many attempts
+
+# Matchmaking attempts (AttemptClock). These are latencies of one DHT poll or one Join call,
+# not transfers: they do not scale with the learnt data-plane rate, so they are constants.
+# A group below its target assembles this long before the earliest deadline among its members:
+# followers give up at their deadline, and the GroupInfo must reach them first (a DHT poll
+# comes between the leader waking up and assembling, then one message on the open Join call).
+ASSEMBLY_LEAD = 0.2  # s
+ASSEMBLY_LEAD_SHARE = 1 / 10  # of an attempt, at most: a short attempt keeps most of its time
+# A leader answers Join (ACCEPTED or a refusal) without I/O of its own, so its first answer
+# takes one connection and one round trip: longer means it is gone. Bounded by what is left of
+# our attempt, but never shorter than the floor, or a call made at our deadline could not
+# succeed even against a live leader.
+ANSWER_WAIT = 2.0  # s
+MIN_ANSWER_WAIT = 0.2  # s
+# An accepted follower waits for the GroupInfo until the later of its own and its leader's
+# deadline, plus this: a leader assembles or disbands by its deadline, and this covers its last
+# poll (MAX_POLL in the matchmaker) and the message. Beyond it the leader is stuck (say, in a
+# cycle of inconsistent views) and must not hold us. The floor gives a follower that was
+# accepted at the very end one chance to hear the answer already on its way.
+GROUP_INFO_PATIENCE = 1.0  # s
+MIN_GROUP_INFO_WAIT = 0.1  # s
 
 
 class RoundClock:
@@ -54,6 +79,43 @@ class RoundClock:
     def learn(self, wire_bytes: int, seconds: float) -> None:
         """A round that averaged everything teaches the rate (same unit as `allreduce`)."""
         self.policy.observe(wire_bytes, seconds)
+
+
+@dataclass(frozen=True)
+class AttemptClock:
+    """One matchmaking attempt's deadlines: everything the assembly policy knows of time,
+    besides the `now` it is handed. Its end is min(start + attempt, the request's end)."""
+
+    deadline: float  # monotonic: we assemble, follow or give up by then
+    seconds: float  # the attempt as requested (MatchRequest.attempt_seconds)
+
+    @classmethod
+    def starting(cls, now: float, seconds: float, final: float) -> AttemptClock:
+        return cls(min(now + seconds, final), seconds)
+
+    @property
+    def start(self) -> float:
+        """A full attempt before the deadline (earlier than the real start when the request's
+        end cut the attempt short)."""
+        return self.deadline - self.seconds
+
+    @property
+    def assembly_lead(self) -> float:
+        return min(ASSEMBLY_LEAD, self.seconds * ASSEMBLY_LEAD_SHARE)
+
+    def assemble_by(self, member_deadlines: Iterable[float]) -> float:
+        """When a group below its target assembles at the latest: before our deadline and
+        before every member's (their declarations' TTLs tell, whatever their clocks say)."""
+        return min([self.deadline, *member_deadlines]) - self.assembly_lead
+
+    def answer_wait(self, now: float) -> float:
+        """How long a follower waits for a leader's first answer to Join."""
+        return max(min(ANSWER_WAIT, self.deadline - now), MIN_ANSWER_WAIT)
+
+    def group_info_wait(self, leader_deadline: float, now: float) -> float:
+        """How long an accepted follower waits for its leader's GroupInfo."""
+        patience = max(self.deadline, leader_deadline) + GROUP_INFO_PATIENCE - now
+        return max(patience, MIN_GROUP_INFO_WAIT)
 
 
 def stream_wait(attempt_max: float) -> float:

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from moshpitd.allreduce.group import Group, GroupMember
@@ -16,7 +16,7 @@ from moshpitd.matchmaking.request import MatchRequest, Self
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.dataplane import split_endpoint
 
-log = logging.getLogger("moshpitd.matchmaking.matchmaker")
+log = logging.getLogger(__name__)
 
 # 2: owners answer a data-plane HELLO with READY (a daemon of version 1 would take that frame
 # for a protocol error), so daemons of different versions do not form groups.
@@ -29,20 +29,45 @@ class _Follower:
     outbox: asyncio.Queue[pb.JoinResponse] = field(default_factory=asyncio.Queue)
 
 
-class Leading:
-    """Mixed into Matchmaker, which owns these attributes."""
+class GroupLeader:
+    """Our side as a potential leader: the Join calls of our followers, the group they form,
+    and where newcomers are sent once we follow someone. The matchmaker opens and closes it and
+    tells it whom we ask and follow; `on_join` wakes the matchmaker when someone joins."""
 
-    me: Self
-    req: MatchRequest
-    accepting: bool
-    leader: Candidate | None
-    followers: dict[bytes, _Follower]
-    assembled: asyncio.Future[Group]
-    last_join: float
-    _wake: asyncio.Event
-    _asking: bytes | None
+    def __init__(self, me: Self, request: MatchRequest, on_join: Callable[[], None]) -> None:
+        self.me = me
+        self.req = request
+        self._on_join = on_join
+        self.accepting = False
+        self.followers: dict[bytes, _Follower] = {}
+        self.last_join = 0.0  # when the latest follower joined us (to learn arrival spread)
+        self.following: Candidate | None = None  # the leader that accepted us, if any
+        self.asking: bytes | None = None  # the peer we are asking to lead us, if any
 
-    def _assemble(self) -> Group:
+    @property
+    def members(self) -> frozenset[bytes]:
+        return frozenset(self.followers)
+
+    def open(self) -> None:
+        """An attempt starts: accept followers (a client-mode peer never leads). Done before
+        our declaration can be read, or early askers would get NOT_LOOKING."""
+        self.accepting = not self.req.client_mode
+
+    def close(self) -> None:
+        self.accepting = False
+
+    def follow(self, leader: Candidate) -> None:
+        """A leader accepted us: stop accepting, and send our followers and askers there."""
+        self.following = leader
+        self.accepting = False
+        self.disband(leader)
+
+    def unfollow(self, reopen: bool) -> None:
+        """The leader we followed let us go: lead again if our attempt is still on."""
+        self.following = None
+        self.accepting = reopen and not self.req.client_mode
+
+    def assemble(self) -> Group:
         members = [GroupMember(self.me.peer_id, self.me.endpoint, self.req.weight,
                                self.req.client_mode, self.me.bandwidth, self.me.data_endpoint)]
         for pid, f in self.followers.items():
@@ -58,11 +83,9 @@ class Leading:
         for f in self.followers.values():
             f.outbox.put_nowait(pb.JoinResponse(code=pb.GROUP_ASSEMBLED, group_info=info))
         self.followers.clear()
-        if not self.assembled.done():
-            self.assembled.set_result(group)
         return group
 
-    def _disband(self, leader: Candidate | None, why: str = "leader left the group") -> None:
+    def disband(self, leader: Candidate | None, why: str = "leader left the group") -> None:
         """Release our followers, pointing them at our new leader if we have one."""
         for f in self.followers.values():
             resp = pb.JoinResponse(code=pb.DISBANDED, message=why)
@@ -81,7 +104,7 @@ class Leading:
         follower = _Follower(request)
         self.followers[request.peer_id] = follower
         self.last_join = time.monotonic()
-        self._wake.set()
+        self._on_join()
         try:
             yield pb.JoinResponse(code=pb.ACCEPTED)
             yield await follower.outbox.get()
@@ -104,16 +127,16 @@ class Leading:
         if request.group_key != self.req.key:
             return no(pb.WRONG_KEY, f"this peer averages under {self.req.key!r}")
         if not self.accepting:
-            if self.leader is not None:
+            if self.following is not None:
                 resp = no(pb.NOT_A_LEADER, "this peer follows another leader")
-                resp.suggested_leader = self.leader.declaration.endpoint
-                resp.suggested_leader_id = self.leader.peer_id
+                resp.suggested_leader = self.following.declaration.endpoint
+                resp.suggested_leader_id = self.following.peer_id
                 return resp
             return no(pb.NOT_LOOKING, "not accepting followers now")
         if request.schema_hash != self.req.schema_hash or request.codec != self.req.codec:
             return no(pb.BAD_SCHEMA, "tensor dtypes/shapes, codec or aggregation differ from "
                       "this group's")
-        if self._asking == request.peer_id and request.peer_id < self.me.peer_id:
+        if self.asking == request.peer_id and request.peer_id < self.me.peer_id:
             # Both of us asked the other at once: the lower peer id leads, on both sides.
             return no(pb.NOT_LOOKING, "we are asking you to lead; the lower peer id leads")
         if request.peer_id == self.me.peer_id or request.peer_id in self.followers:

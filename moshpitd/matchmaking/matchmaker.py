@@ -3,9 +3,11 @@
 Every peer declares itself in the DHT with a deadline, and is at once a potential leader (it
 accepts followers) and a follower (it asks earlier-ranked peers to take it). Peers only ask peers
 ranked strictly before them, so waits cannot form a cycle. A peer that joins a leader stops
-accepting and redirects its own followers to that leader, so groups merge. A leader assembles as
-soon as the group reaches its target size, as soon as every peer declared under the key is in its
-group, or at its deadline with at least the minimum size.
+accepting and redirects its own followers to that leader, so groups merge.
+
+The Matchmaker does the I/O: DHT reads, probes, Join calls and waits. Our side as a leader is
+a `GroupLeader` (leading.py); when to assemble is the pure `AssemblyPolicy` (assembly.py),
+asked once per poll; every deadline of an attempt comes from its `AttemptClock` (clock.py).
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from grpc import aio
 
 from moshpitd.allreduce.group import Group
+from moshpitd.clock import AttemptClock
 from moshpitd.dht.network import DHTNode
+from moshpitd.matchmaking.assembly import Action, AssemblyPolicy, Poll
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.errors import (
     GroupNotFound,
@@ -28,7 +32,7 @@ from moshpitd.matchmaking.errors import (
     NoPartners,
     SchemaMismatch,
 )
-from moshpitd.matchmaking.leading import PROTOCOL_VERSION, Leading, _Follower, not_looking
+from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, not_looking
 from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
@@ -46,17 +50,27 @@ async def wait_background() -> None:
         await asyncio.gather(*list(_BACKGROUND), return_exceptions=True)
 
 
-MIN_POLL = 0.02
-MAX_POLL = 0.5
-STRAGGLER_PROBE = 0.3  # a declared peer this long outside our group gets asked if it lives
-RETRY_ASK = 0.25  # how soon to ask a leader again that turned us away
-# A group below its target assembles this long before the earliest deadline among its members,
-# at most a tenth of an attempt: followers give up at their deadline, the GroupInfo must reach
-# them first (a poll of the DHT comes between waking up and assembling).
-ASSEMBLY_LEAD = 0.2
+# Protocol constants: how often we look at the DHT and at peers. Each is a latency of one DHT
+# read or Join call, the same for any attempt length or data-plane rate, so none is derived.
+# A peer polls the DHT at MIN_POLL after anything happened, backing off by POLL_BACKOFF up to
+# MAX_POLL while nothing does (a DHT read costs a few ms; a joining follower wakes us at once).
+MIN_POLL = 0.02  # s
+MAX_POLL = 0.5  # s
+POLL_BACKOFF = 1.5
+# A declared peer this long outside our group gets asked whether it lives: a live one has
+# joined someone within a few polls of declaring; a killed one's declaration outlives it.
+STRAGGLER_PROBE = 0.3  # s
+# How soon to ask again a leader that turned us away: a refusal may be momentary (it was
+# between attempts, or following someone who then let it go).
+RETRY_ASK = 0.25  # s
+# No new attempt with less than this left: declaring alone takes longer.
+MIN_ATTEMPT = 0.01  # s
+# Redirects (NOT_A_LEADER, DISBANDED) followed in a row before we look at the DHT again: groups
+# merge in one or two hops; a longer chain is a loop of stale views.
+MAX_HOPS = 4
 
 
-class Matchmaker(Leading):
+class Matchmaker:
     def __init__(self, me: Self, dht: DHTNode, pool: ChannelPool, request: MatchRequest,
                  watcher: LineWatcher | None = None, probe: Probe | None = None) -> None:
         self.me = me
@@ -66,24 +80,28 @@ class Matchmaker(Leading):
         self.watcher = watcher
         self.expected = request.expected
         self.settled = True
-        self._lonely_polls = 0
         self.dht = dht
         self.pool = pool
         self.req = request
-        self.accepting = False
-        self.leader: Candidate | None = None
-        self.followers: dict[bytes, _Follower] = {}
-        self.assembled: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
         self._wake = asyncio.Event()
-        self._deadline = 0.0
+        self.leading = GroupLeader(me, request, self._wake.set)
+        self.policy = AssemblyPolicy(request.target_size, request.min_size,
+                                     request.settle_seconds)
+        self.assembled: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
+        self._clock = AttemptClock(0.0, request.attempt_seconds)
         self._seen_mismatch: set[bytes] = set()
         self._seen_match: set[bytes] = set()
         self._declared_now: set[bytes] = set()
-        self._stable_members: frozenset[bytes] = frozenset()
-        self._stable_since = 0.0
-        self.last_join = 0.0  # when the latest follower joined us (to learn arrival spread)
         self._version = 0
-        self._asking: bytes | None = None  # the peer we are asking to lead us, if any
+
+    @property
+    def last_join(self) -> float:
+        """When the latest follower joined us (the runner learns arrival spread from it)."""
+        return self.leading.last_join
+
+    def handle_join(self, request: pb.JoinRequest) -> AsyncIterator[pb.JoinResponse]:
+        """The server side of Join, routed here by key."""
+        return self.leading.handle_join(request)
 
     @property
     def declaration(self) -> Declaration:
@@ -93,22 +111,21 @@ class Matchmaker(Leading):
     async def find_group(self, timeout: float) -> Group:
         final = time.monotonic() + timeout
         attempts = 0
-        while time.monotonic() < final - 0.01:
+        while time.monotonic() < final - MIN_ATTEMPT:
             attempts += 1
-            self._deadline = min(time.monotonic() + self.req.attempt_seconds, final)
-            ttl = self._deadline - time.monotonic()
+            self._clock = AttemptClock.starting(time.monotonic(), self.req.attempt_seconds, final)
+            ttl = self._clock.deadline - time.monotonic()
             self._version = self.dht.next_version()
-            # accept before anyone can read the declaration, or early askers get NOT_LOOKING
-            self.accepting = not self.req.client_mode
+            self.leading.open()  # before anyone can read the declaration
             await self.dht.store_sub(self.req.key, self.me.peer_id, self.declaration.pack(), ttl,
                                      version=self._version)
             group = None
             try:
                 group = await self._attempt(final)
             finally:
-                self.accepting = False
-                if group is None and self.followers:  # leaving (cancelled, failed): say so
-                    self._disband(None, "the leader left the round")
+                self.leading.close()
+                if group is None and self.leading.followers:  # leaving (cancelled, failed)
+                    self.leading.disband(None, "the leader left the round")
                 self._start_withdraw()
             if group is not None:
                 return group
@@ -146,30 +163,32 @@ class Matchmaker(Leading):
         while True:
             if self.assembled.done():
                 return self.assembled.result()
-            if self.accepting and 1 + len(self.followers) >= self.req.target_size:
+            if self.leading.accepting and self.policy.full(len(self.leading.followers)):
                 return self._assemble()  # full: no need to look at the DHT first
             now = time.monotonic()
             candidates = await self._candidates()
-            if self.probe is not None and self.followers:
+            if self.probe is not None and self.leading.followers:
                 await self._probe_stragglers(candidates, now)
             candidates = [c for c in candidates if c.peer_id not in self._dead]
+            line = None
             if self.watcher is not None:
-                status = await self.watcher()
+                line = await self.watcher()
                 # a line-mate found dead (its declaration outlives it) is not waited for
-                self.expected = status.expected - self._dead
-                self.settled = status.settled
-                self._check_lonely(candidates, status, now)
+                self.expected = line.expected - self._dead
+                self.settled = line.settled
+            decision = self.policy.decide(self._clock, self._poll(now, candidates, line))
+            if decision.action is Action.ALONE:
+                raise NoPartners(f"no other peer on this grid line under {self.req.key!r}")
             if self.assembled.done():
                 return self.assembled.result()
-            assemble_at = self._assemble_at(candidates)
-            if self.accepting and self._ready_to_assemble(candidates, now, assemble_at):
+            if decision.action is Action.ASSEMBLE:
                 return self._assemble()
-            if now >= self._deadline:
-                self._disband(None)
+            if decision.action is Action.GIVE_UP:
+                self.leading.disband(None)
                 return None
             my_rank = (self._version, self.me.peer_id)
             log.debug("%s: %d candidates, %d followers, %d before us", self.me.peer_id.hex()[:6],
-                      len(candidates), len(self.followers),
+                      len(candidates), len(self.leading.followers),
                       sum(c.rank < my_rank for c in candidates))
             for cand in sorted(candidates, key=lambda c: c.rank):
                 # A client-mode peer never leads, so it may follow anyone: no cycle can form.
@@ -186,13 +205,25 @@ class Matchmaker(Leading):
                 if self.assembled.done():
                     return self.assembled.result()
             self._wake.clear()
-            wake_at = assemble_at if now < assemble_at else self._deadline
             try:
-                async with asyncio.timeout(min(poll, max(wake_at - time.monotonic(), 0))):
+                async with asyncio.timeout(min(poll, max(decision.wake_at - time.monotonic(), 0))):
                     await self._wake.wait()
                 poll = MIN_POLL
             except TimeoutError:
-                poll = min(poll * 1.5, MAX_POLL)
+                poll = min(poll * POLL_BACKOFF, MAX_POLL)
+
+    def _assemble(self) -> Group:
+        group = self.leading.assemble()
+        if not self.assembled.done():
+            self.assembled.set_result(group)
+        return group
+
+    def _poll(self, now: float, candidates: list[Candidate], line: LineStatus | None) -> Poll:
+        """What the policy needs of this poll (read before any await: nothing moves under it)."""
+        return Poll(now, self.leading.members, {c.peer_id: c.deadline for c in candidates},
+                    accepting=self.leading.accepting, following=self.leading.following is not None,
+                    expected=self.expected, settled=self.settled,
+                    gone=frozenset(self._seen_match - self._declared_now), line=line)
 
     async def _candidates(self) -> list[Candidate]:
         subs = await self.dht.get_subs(self.req.key)
@@ -231,7 +262,7 @@ class Matchmaker(Leading):
         assert self.probe is not None
         ask = []
         for c in candidates:
-            if (c.peer_id in self.followers or c.peer_id in self._dead
+            if (c.peer_id in self.leading.followers or c.peer_id in self._dead
                     or c.declaration.client_mode):  # client-mode peers take no calls
                 continue
             since = self._outside_since.setdefault(c.peer_id, now)
@@ -246,55 +277,11 @@ class Matchmaker(Leading):
                              self.req.key, c.peer_id.hex()[:8])
                     self._dead.add(c.peer_id)
 
-    def _assemble_at(self, candidates: list[Candidate]) -> float:
-        """When a group below its target assembles at the latest: before our deadline and
-        before our followers' (their declarations' TTLs tell, whatever their clocks say)."""
-        ends = [c.deadline for c in candidates if c.peer_id in self.followers]
-        return min([self._deadline, *ends]) - min(ASSEMBLY_LEAD, self.req.attempt_seconds / 10)
-
-    def _ready_to_assemble(self, candidates: list[Candidate], now: float,
-                           assemble_at: float) -> bool:
-        size = 1 + len(self.followers)
-        if size >= self.req.target_size:
-            return True
-        if size < self.req.min_size:
-            return False
-        if now >= assemble_at:
-            return True
-        if self.expected is not None:
-            if not self.settled:
-                return False
-            # Every expected peer is with us, or came and left for another group.
-            return all(p in self.followers or (p in self._seen_match and p not in
-                                               self._declared_now) for p in self.expected)
-        # Everyone declared under the key is already with us, and nobody new declared for a
-        # while: with no target in sight, waiting longer gains nothing.
-        # (The clock runs from the last change of our membership, so an outsider found dead
-        # costs no extra settle time once it is dropped.)
-        outside = [c for c in candidates if c.peer_id not in self.followers]
-        members = frozenset(self.followers)
-        if members != self._stable_members:
-            self._stable_members, self._stable_since = members, now
-            return False
-        return not outside and now - self._stable_since >= self.req.settle_seconds
-
-    def _check_lonely(self, candidates: list[Candidate], status: LineStatus, now: float) -> None:
-        """Nobody on our line is coming: keep our value instead of waiting for the deadline."""
-        alone = (not self.followers and self.leader is None and not candidates
-                 and not status.expected and status.settled)
-        self._lonely_polls = self._lonely_polls + 1 if alone else 0
-        started = self._deadline - self.req.attempt_seconds
-        # the run moving on ends the wait early, but not before one grace period: a
-        # line-mate that has not declared yet (it is starting) would be left behind a round
-        grace = status.grace / 2 if status.moved_on else status.grace
-        if alone and self._lonely_polls >= 2 and now - started >= grace:
-            raise NoPartners(f"no other peer on this grid line under {self.req.key!r}")
-
     # --- following --------------------------------------------------------------------------
     async def _follow(self, leader: Candidate, final: float) -> Group | None:
         """Ask leader (and any leader it redirects us to) to take us; None if nobody did."""
         hops = 0
-        while hops < 4:
+        while hops < MAX_HOPS:
             hops += 1
             request = pb.JoinRequest(
                 group_key=self.req.key, peer_id=self.me.peer_id, endpoint=self.me.endpoint,
@@ -307,7 +294,7 @@ class Matchmaker(Leading):
             if remaining <= 0:
                 return None
             call = self.pool.join(leader.declaration.endpoint, request, timeout=remaining)
-            self._asking = leader.peer_id
+            self.leading.asking = leader.peer_id
             try:
                 nxt = await self._follow_call(call, leader)
                 log.debug("%s: join %s -> %s", self.me.peer_id.hex()[:6],
@@ -316,11 +303,10 @@ class Matchmaker(Leading):
                 log.debug("join %s failed: %r", leader.peer_id.hex()[:8], exc)
                 nxt = None
             finally:
-                self._asking = None
+                self.leading.asking = None
                 call.cancel()
-                if self.leader is not None and not self.assembled.done():
-                    self.leader = None
-                    self.accepting = not self.req.client_mode and time.monotonic() < self._deadline
+                if self.leading.following is not None and not self.assembled.done():
+                    self.leading.unfollow(time.monotonic() < self._clock.deadline)
             if isinstance(nxt, Group):
                 return nxt
             if nxt is None:
@@ -329,21 +315,19 @@ class Matchmaker(Leading):
         return None
 
     async def _follow_call(self, call: Any, leader: Candidate) -> Group | Candidate | None:
-        async with asyncio.timeout(max(min(2.0, self._deadline - time.monotonic()), 0.2)):
+        async with asyncio.timeout(self._clock.answer_wait(time.monotonic())):
             first = await call.read()
         if first is aio.EOF:
             return None
         log.debug("%s: %s answers %s %s", self.me.peer_id.hex()[:6], leader.peer_id.hex()[:6],
                   pb.JoinCode.Name(first.code), first.message)
         if first.code == pb.ACCEPTED:
-            self.leader = leader
-            self.accepting = False
-            self._disband(leader)
+            self.leading.follow(leader)
             # A leader that never assembles (say, caught in a cycle of inconsistent views) must
             # not hold us past its own deadline.
-            patience = max(self._deadline, leader.deadline) + 1.0 - time.monotonic()
+            wait = self._clock.group_info_wait(leader.deadline, time.monotonic())
             try:
-                async with asyncio.timeout(max(patience, 0.1)):
+                async with asyncio.timeout(wait):
                     resp = await call.read()
             except TimeoutError:
                 log.debug("%s: leader %s did not assemble in time", self.me.peer_id.hex()[:6],

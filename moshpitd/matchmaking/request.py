@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -14,17 +14,22 @@ class MatchRequest:
     target_size: int = 16
     min_size: int = 2
     client_mode: bool = False
-    attempt_seconds: float = 5.0
+    # One attempt: the round clock's (RoundClock.attempt), never a default of its own.
+    attempt_seconds: float = field(kw_only=True)
     # Peers known to be coming (grid line-mates). None: unknown, so assemble once everyone
     # declared under the key has joined and nothing changed for settle_seconds.
     expected: frozenset[bytes] | None = None
     codec: str = "none"
     # Without a grid, how long a complete-looking group must stay unchanged before it
-    # assembles below its target; the node learns it from how late followers used to arrive.
-    settle_seconds: float = 0.5
+    # assembles below its target: learnt by the node's SettlePolicy.
+    settle_seconds: float = field(kw_only=True)
 
 
-LONELY_GRACE = 0.2  # alone this long on our line: nobody is coming to this round
+# Alone this long on our line: nobody is coming to this round. A protocol constant: it covers a
+# line-mate's step from one round to the next (a run-directory write and a DHT declaration,
+# tens of ms), which does not grow with the attempt or the data. A daemon's first round of a
+# run waits longer (runs.FIRST_GRACE).
+LONELY_GRACE = 0.2  # s
 
 
 @dataclass(frozen=True)
@@ -50,16 +55,26 @@ class Self:
     bandwidth: float = 1.0
 
 
+# The settle time's bounds. It is learnt (SettlePolicy), but within these, which are latencies
+# of DHT polls, not of the data: below the floor, a latecomer that declared a couple of polls
+# (the matchmaker's MIN_POLL) after the others could not be seen in time; the ceiling, one
+# MAX_POLL, bounds what a complete group loses to a peer that never comes, and is the start
+# value until a round teaches one.
+SETTLE_FLOOR = 0.05  # s
+SETTLE_CEILING = 0.5  # s
+SPREAD_ALPHA = 0.3  # weight of the newest round in the moving average, as DeadlinePolicy's
+
+
 @dataclass
 class SettlePolicy:
     """How long a leader below its target waits for latecomers once everyone declared has
     joined: twice the usual arrival spread of its followers, within [floor, ceiling]. After a
     peer leaves for good, later rounds then lose tens of milliseconds, not half a second."""
 
-    floor: float = 0.05
-    ceiling: float = 0.5
-    spread: float = 0.25
-    alpha: float = 0.3
+    floor: float = SETTLE_FLOOR
+    ceiling: float = SETTLE_CEILING
+    spread: float = SETTLE_CEILING / 2  # starts at the ceiling
+    alpha: float = SPREAD_ALPHA
 
     @property
     def seconds(self) -> float:

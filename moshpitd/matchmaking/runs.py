@@ -24,13 +24,27 @@ from moshpitd.matchmaking.grid import Coords, Grid, choose_coords, plan_round
 from moshpitd.matchmaking.matchmaker import LineStatus, LineWatcher
 from moshpitd.matchmaking.request import LONELY_GRACE
 
-ENTRY_TTL = 60.0
+# Protocol constants. A run directory outlives its rounds and the requests that drive it (each
+# with its own timeout), so none of these can come from one round's clock.
+# A peer's record lives this long unless refreshed (every round refreshes it): a peer that
+# vanished without withdrawing drops out of the directory within a minute.
+ENTRY_TTL = 60.0  # s
+# Joining a run: read the directory every SETTLE_INTERVAL (a DHT read and a store take a few ms)
+# until two reads in a row agree, at most SETTLE_READS times; peers that picked the same cell
+# move at most MAX_MOVES times (a count, not a time).
 SETTLE_READS = 6
-SETTLE_INTERVAL = 0.03
+SETTLE_INTERVAL = 0.03  # s
 MAX_MOVES = 8
-DEAD_FOR = 30.0
-SETTLE_SECONDS = 0.3  # a run whose membership changed this recently may have more to come
-FIRST_GRACE = 1.0  # the same in this daemon's first round of the run (peers still starting)
+# A line-mate whose daemon did not answer a probe is not waited for this long: a killed peer's
+# record outlives it by up to ENTRY_TTL, but a daemon that was only briefly unreachable is
+# waited for again after half of that.
+DEAD_FOR = ENTRY_TTL / 2
+# A run whose membership changed this recently may have more to come: its list of expected
+# line-mates is not complete yet (peers joining together register within a few polls).
+SETTLE_SECONDS = 0.3  # s
+# LONELY_GRACE in this daemon's first round of the run: line-mates started at the same moment
+# may still be starting (bootstrapping the DHT, choosing a cell) and not have declared yet.
+FIRST_GRACE = 1.0  # s
 
 Probe = Callable[[str], Awaitable[bool]]
 

@@ -142,7 +142,7 @@ def test_join_answers_every_code() -> None:
             none_yet = await answer(join_request(pid(1)))
             assert none_yet.code == pb.NOT_LOOKING and "'k'" in none_yet.message
             mm = matchmaker(node, target=3, weight=2.0)
-            mm.accepting = True  # as between its declaration and its first poll
+            mm.leading.open()  # as between its declaration and its first poll
             # the daemon routes Join by key: under a key it does not match for, nobody looks
             assert (await answer(join_request(pid(1), key="other"))).code == pb.NOT_LOOKING
             # so WRONG_KEY is the Matchmaker's own guard, reachable only by calling it
@@ -167,34 +167,34 @@ def test_join_answers_every_code() -> None:
             for fields, code in refusals:
                 got = await answer(join_request(**{"peer_id": pid(1), **fields}))
                 assert got.code == code, (fields, pb.JoinCode.Name(got.code), got.message)
-            assert not mm.followers  # nothing refused was taken in
+            assert not mm.leading.followers  # nothing refused was taken in
             # two peers asking each other at once: the lower peer id leads, on both sides
             low, high = b"\x00" * 20, b"\xff" * 20
-            mm._asking = low
+            mm.leading.asking = low
             crossed = await answer(join_request(low))
             assert crossed.code == pb.NOT_LOOKING and "lower peer id" in crossed.message
-            mm._asking = high
+            mm.leading.asking = high
             first = await accepted(join_request(high, weight=3.0))
-            mm._asking = None
+            mm.leading.asking = None
             assert (await answer(join_request(high))).code == pb.DUPLICATE_PEER
             second = await accepted(join_request(pid(2), weight=4.0))
             full = await answer(join_request(pid(3)))
             assert full.code == pb.GROUP_FULL and "3 members" in full.message
             # we join another leader: our followers are released toward it
             boss = Candidate(pid(9), Declaration("127.0.0.1:9", SCHEMA), time.monotonic() + 5, 1)
-            mm.leader, mm.accepting = boss, False
-            mm._disband(boss)
+            mm.leading.follow(boss)
+            assert not mm.leading.accepting and not mm.leading.followers
             got = [await first.read(), await second.read(), await answer(join_request(pid(3)))]
             assert [(pb.JoinCode.Name(r.code), r.suggested_leader, r.suggested_leader_id)
                     for r in got] == [(code, "127.0.0.1:9", pid(9)) for code in (
                         "DISBANDED", "DISBANDED", "NOT_A_LEADER")]  # followers, newcomer
-            mm.leader = None  # that leader let us go: between attempts, not accepting
+            mm.leading.unfollow(reopen=False)  # that leader let us go between attempts
             assert (await answer(join_request(pid(3)))).code == pb.NOT_LOOKING
             # the next attempt fills up and assembles: each follower gets the same group
-            mm.accepting = True
+            mm.leading.open()
             first = await accepted(join_request(high, weight=3.0))
             second = await accepted(join_request(pid(2), weight=4.0))
-            group = mm._assemble()
+            group = mm.leading.assemble()
             for call in (first, second):
                 done = await call.read()
                 assert done.code == pb.GROUP_ASSEMBLED
@@ -222,7 +222,7 @@ def test_leader_joining_an_earlier_leader_brings_its_followers(
         tasks = [asyncio.create_task(search(a, mms[0], 10))]
         await until(lambda: mms[0]._version != 0)
         tasks.append(asyncio.create_task(search(b, mms[1], 10)))
-        await until(lambda: b.peer_id in mms[0].followers)
+        await until(lambda: b.peer_id in mms[0].leading.followers)
         for late in (c, d):
             offset_versions(late, -30)
         tasks.append(asyncio.create_task(search(c, mms[2], 10)))

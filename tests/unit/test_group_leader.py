@@ -1,0 +1,92 @@
+"""The leader's side of matchmaking (moshpitd/matchmaking/leading.py) on its own: Join calls
+driven in one event loop, without a matchmaker, a DHT or gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+
+from moshpitd.allreduce.group import Group
+from moshpitd.matchmaking.declaration import Candidate, Declaration
+from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader
+from moshpitd.matchmaking.request import MatchRequest, Self
+from moshpitd.proto import moshpit_pb2 as pb
+
+SCHEMA = b"\x5a" * 32
+ME = Self(b"\x10" * 20, "127.0.0.1:10", "127.0.0.1:11")
+
+
+def join(peer: int, weight: float = 1.0) -> pb.JoinRequest:
+    return pb.JoinRequest(group_key="k", peer_id=bytes([peer]) * 20, endpoint="127.0.0.1:1",
+                          data_endpoint="127.0.0.1:2", schema_hash=SCHEMA, weight=weight,
+                          bandwidth=1.0, protocol_version=PROTOCOL_VERSION, codec="none")
+
+
+def leader(joins: list[int], *, target: int = 4, client_mode: bool = False,
+           weight: float = 1.0) -> GroupLeader:
+    request = MatchRequest("k", SCHEMA, weight, target, client_mode=client_mode,
+                           attempt_seconds=5.0, settle_seconds=0.5)
+    return GroupLeader(ME, request, lambda: joins.append(1))
+
+
+async def accepted(calls: AsyncIterator[pb.JoinResponse]) -> None:
+    assert (await anext(calls)).code == pb.ACCEPTED
+
+
+def test_joins_wake_the_owner_and_assembly_reaches_every_follower() -> None:
+    async def scenario() -> None:
+        woken: list[int] = []
+        side = leader(woken, target=3, weight=2.0)
+        assert (await anext(side.handle_join(join(1)))).code == pb.NOT_LOOKING  # not open yet
+        side.open()
+        calls = [side.handle_join(join(1, 3.0)), side.handle_join(join(2, 4.0))]
+        for call in calls:
+            await accepted(call)
+        assert len(woken) == 2 and side.members == {bytes([1]) * 20, bytes([2]) * 20}
+        assert side.last_join > 0
+        group = side.assemble()
+        assert not side.accepting and not side.followers
+        for call in calls:
+            done = await anext(call)
+            assert done.code == pb.GROUP_ASSEMBLED and Group.from_proto(done.group_info) == group
+        assert [m.weight for m in group.members] == [2.0, 3.0, 4.0]
+
+    asyncio.run(scenario())
+
+
+def test_following_redirects_followers_and_newcomers_until_let_go() -> None:
+    async def scenario() -> None:
+        side = leader([])
+        side.open()
+        call = side.handle_join(join(1))
+        await accepted(call)
+        boss = Candidate(b"\x09" * 20, Declaration("127.0.0.1:9", SCHEMA), 0.0, 1)
+        side.follow(boss)
+        released = await anext(call)
+        assert (released.code, released.suggested_leader_id) == (pb.DISBANDED, boss.peer_id)
+        newcomer = await anext(side.handle_join(join(2)))
+        assert (newcomer.code, newcomer.suggested_leader) == (pb.NOT_A_LEADER, "127.0.0.1:9")
+        side.unfollow(reopen=True)
+        assert side.following is None and side.accepting
+        side.unfollow(reopen=False)
+        assert not side.accepting
+
+    asyncio.run(scenario())
+
+
+def test_a_client_mode_peer_never_accepts() -> None:
+    side = leader([], client_mode=True)
+    side.open()
+    assert not side.accepting
+    side.unfollow(reopen=True)
+    assert not side.accepting
+
+
+def test_it_logs_under_its_own_name(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="moshpitd.matchmaking.leading")
+    leader([], weight=0.0).assemble()
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("moshpitd.matchmaking.leading", "group under k has zero total weight")]
