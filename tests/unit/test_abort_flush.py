@@ -31,7 +31,7 @@ from moshpitd.transport.dataplane import (
 )
 
 T = TypeVar("T")
-FRAMES, FRAME_BYTES = 16, 1 << 20  # 16 MiB: far more than loopback's socket buffers take
+FRAMES, FRAME_BYTES = 48, 1 << 20  # 48 MiB: far more than the socket buffers take (tcp_[rw]mem)
 
 
 class Recorder:
