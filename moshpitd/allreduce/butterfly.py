@@ -14,7 +14,10 @@ delivered stay in the mean. A reducer that fails, or returns NaN/Inf, leaves its
 local values. Every result carries the bitmask of the senders it averages, so the caller learns
 exactly what each element is. An owner that refuses our part as NaN/Inf says so (ABORT with
 BAD_VALUES and the part); we check that part ourselves, and if the fault is ours the trainer
-gets the error (LayoutError naming the tensor) when the round ends.
+gets the error (LayoutError naming the tensor) when the round ends. A member that leaves the
+round (its trainer is gone, or its request was cancelled) says so on every stream (ABORT with
+LEFT), and those ABORTs go out before the round returns: the others exclude it as `aborted` at
+once, not as a dropped stream.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from moshpitd.allreduce.owner import ReducerSide, SenderSlot
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.sender import Connector, HelloSealer, SenderSide
 from moshpitd.hooks import NO_HOOKS, Hooks
-from moshpitd.transport.dataplane import Channel
+from moshpitd.transport.dataplane import LEFT, Channel, flush_aborts
 
 # How often the round looks again whether every result went out to the transports: they may
 # hold views of the trainer's buffer until then (a protocol constant: the poll's granularity).
@@ -96,24 +99,30 @@ class ButterflyRound:
         self.hooks.begin_round(self.plan.link_parts(), self.plan.senders())
         sender.start(deadlines.deadline)
         self.reducer.seed_own()
+        leaving = False
         try:
             await self.reducer.wait_for_senders(deadlines.deadline, deadlines.hard,
                                                 deadlines.stall_window)
             await self._wait_for_owners(sender, deadlines)
             sender.fail_unanswered("no result by the round's deadline")
         except BaseException:
+            leaving = True
             for ch in [*sender.channels, *self._accepted]:
-                ch.abort("the peer left the round")
+                ch.abort("the peer left the round", code=LEFT)
             raise
         finally:
             self.ledger.closed = True  # the trainer owns its buffer again: late events write
             self.reducer.stop()        # nothing
-            await sender.stop()
-            sent = received = 0
-            for ch in [*sender.channels, *self._accepted]:
-                sent, received = sent + ch.bytes_out, received + ch.bytes_in
-                ch.close()  # nothing is received into staging buffers after this
-            self.ledger.close()
+            try:
+                await sender.stop()
+                if leaving:  # every member hears why, not a dropped stream: see flush_aborts
+                    await flush_aborts([*sender.channels, *self._accepted], deadlines.grace)
+            finally:
+                sent = received = 0
+                for ch in [*sender.channels, *self._accepted]:
+                    sent, received = sent + ch.bytes_out, received + ch.bytes_in
+                    ch.close()  # nothing is received into staging buffers after this
+                self.ledger.close()
         if self.ledger.invalid is not None:
             raise self.ledger.invalid
         return self._result(time.monotonic() - start, sent, received)

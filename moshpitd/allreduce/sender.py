@@ -26,6 +26,7 @@ from moshpitd.transport.dataplane import (
     ABORT,
     BAD_VALUES,
     HELLO,
+    LEFT,
     PART,
     READY,
     RESULT,
@@ -90,6 +91,7 @@ class OwnerLink:
         self.done = asyncio.Event()
         self.progress = asyncio.Event()  # set per result: the send window moves
         self.failure: str | None = None
+        self.told = False  # it sent ABORT: its stream then closes, and that is no news
         self.staging = ledger.staging()  # results land here to be checked
         self._gate = gate
         self._exclusions = exclusions
@@ -111,9 +113,13 @@ class OwnerLink:
             self._mark_ready()
             return
         if kind == ABORT:
+            why = bytes(payload).decode(errors="replace")
+            self.told = True
             if aux == BAD_VALUES:  # were our values to blame? then our trainer hears of it
                 self._recheck(part)
-            self.fail(bytes(payload).decode(errors="replace"))
+            self.fail(why)
+            if aux == LEFT:  # nor will its parts come, if any are still missing
+                self._exclusions.lost(self.owner, f"it left the round: {why}", "aborted")
             return
         if kind != RESULT:
             self.fail(f"unexpected frame kind {kind}")
@@ -142,8 +148,9 @@ class OwnerLink:
     def on_close(self, exc: BaseException | None) -> None:
         """Closed without a word: its daemon is gone (or its round is over), so its parts will
         not come either; that holds even when all its results are in and it never connected
-        to us as a sender, which would otherwise leave us waiting for the deadline."""
-        if self.failure is not None:
+        to us as a sender, which would otherwise leave us waiting for the deadline. Closed
+        after an ABORT: that said what happened, and is not counted again."""
+        if self.failure is not None or self.told:
             return
         if self.waiting:
             self.fail(f"stream closed ({exc or 'EOF'})")
@@ -237,7 +244,7 @@ class SenderSide:
             self.exclusions.exclude(link.owner, "its data plane refuses connections",
                                     "disconnected")
         except (OSError, ValueError, DataPlaneError) as exc:  # ValueError: a bad endpoint
-            silent = link.failure is None  # no ABORT came: it died or broke the protocol
+            silent = link.failure is None and not link.told  # it died or broke the protocol
             link.fail(f"cannot stream to it: {exc!r}")
             if silent:
                 self.exclusions.exclude(link.owner, f"its stream failed: {exc!r}",

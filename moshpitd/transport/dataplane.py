@@ -10,7 +10,8 @@ several pieces of memory goes out as one frame of several payloads.
 Frame: 24-byte header (kind u8, flags u8, reserved u16, part u32, length u64, aux u64;
 little-endian), then `length` payload bytes. `aux` is the sender index in HELLO, the
 contributors bitmask in RESULT, and in ABORT a reason code (BAD_VALUES: the frame's part was
-refused as data, e.g. NaN/Inf, so its sender can check its own values and tell its trainer).
+refused as data, e.g. NaN/Inf, so its sender can check its own values and tell its trainer;
+LEFT: the member leaves the round, so neither its parts nor its results will come).
 A stream opens with the sender's HELLO; the owner answers READY (empty) once the stream is
 attached to its round, and the sender streams its parts once every owner is READY
 (allreduce/sender.py, ReadyGate).
@@ -33,6 +34,7 @@ HELLO, PART, RESULT, ABORT, READY = 1, 2, 3, 4, 5
 KINDS = {HELLO, PART, RESULT, ABORT, READY}
 MAX_CONTROL_PAYLOAD = 4096
 BAD_VALUES = 1  # ABORT's aux: the part named in the frame was refused as data
+LEFT = 2  # ABORT's aux: the member that sent it left the round
 
 
 class DataPlaneError(Exception):
@@ -68,8 +70,10 @@ class Channel(asyncio.BufferedProtocol):
         self._frame: tuple[int, int, int, int] | None = None  # kind, part, length, aux
         self._can_write = asyncio.Event()
         self._can_write.set()
-        self.closed: asyncio.Future[BaseException | None] = (
-            asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future[BaseException | None] = loop.create_future()
+        self.gone: asyncio.Future[None] = loop.create_future()  # connection_lost ran
+        self.aborted = False  # we sent ABORT: the transport closes once its bytes are out
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -137,6 +141,8 @@ class Channel(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._can_write.set()
+        if not self.gone.done():
+            self.gone.set_result(None)
         if not self.closed.done():
             self.closed.set_result(exc)
         if self.sink is not None:
@@ -180,6 +186,7 @@ class Channel(asyncio.BufferedProtocol):
         message = str(exc).encode()[:MAX_CONTROL_PAYLOAD]
         log.debug("data channel aborted: %s", message.decode(errors="replace"))
         self.send_nowait(ABORT, part, message, aux=code)
+        self.aborted = True
         if self.transport is not None:
             self.transport.close()
         if not self.closed.done():
@@ -189,12 +196,23 @@ class Channel(asyncio.BufferedProtocol):
     def close(self) -> None:
         """Unsent bytes are dropped, not flushed: they are views of the trainer's buffer,
         which it may overwrite as soon as its round returns (the peer sees the connection
-        drop and keeps its own values, instead of getting someone's next tensors)."""
+        drop and keeps its own values, instead of getting someone's next tensors). To have an
+        ABORT arrive, `flush_aborts` first."""
         if self.transport is not None:
             if self.transport.get_write_buffer_size() > 0:
                 self.transport.abort()
             else:
                 self.transport.close()
+
+
+async def flush_aborts(channels: list[Channel], timeout: float) -> None:
+    """Until the ABORTs sent on these channels are out, or `timeout`: an ABORT is queued
+    behind the frames written before it, and `close` would drop them all, so the peer would see
+    the stream drop instead of hearing why. The frames ahead of it are views of the trainer's
+    buffer: call this before the round returns, while the buffer is still the round's."""
+    pending = [ch.gone for ch in channels if ch.aborted and not ch.gone.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
 
 
 async def connect(host: str, port: int, sink: FrameSink, max_payload: int) -> Channel:

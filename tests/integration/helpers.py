@@ -1,7 +1,8 @@
-"""Helpers for integration tests: run blocking client calls side by side."""
+"""Helpers for integration tests: run blocking client calls side by side, wait for events."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,24 @@ def run_parallel(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[A
             except Exception as exc:
                 out.append(exc)
         return out
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 0.01) -> Any:
+    """Polls `cond` until it returns something true, and returns that; fails naming `what`
+    after `timeout` seconds. A test waits on the event it needs, never on a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(poll)
+
+
+def active_keys(client: Any) -> list[str]:
+    """The keys the client's daemon is matchmaking under now (its status over IPC)."""
+    return list(client.status()["status"]["active_keys"])
 
 
 def weighted_mean(arrays: list[np.ndarray], weights: list[float]) -> np.ndarray:

@@ -35,6 +35,7 @@ from tests.fuzz.target import (
     find_subs,
     live_target,
 )
+from tests.integration.helpers import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -240,15 +241,31 @@ def test_declaration_visible_in_later_attempts(target: Target) -> None:
             with contextlib.suppress(moshpit.GroupNotFound):
                 c.average([torch.ones(4)], key=key, timeout=8.0)
 
+        def declaration() -> list[Any] | None:
+            """Its record under the key, as another daemon's DHT node serves it."""
+            subs = find_subs(target.swarm.daemons[2].dht, key)
+            assert isinstance(subs, list), subs
+            return next((r for r in subs if bytes(r[0]).hex() == peer.info["peer_id"]), None)
+
         lonely = threading.Thread(target=average_alone)
         lonely.start()
         try:
-            time.sleep(6.5)  # in its second attempt
-            records = {bytes(r[0]).hex(): r for r in find_subs(target.swarm.daemons[2].dht, key)}
+            first = wait_until(lambda: (r := declaration()) and r[1] != b"" and r, 5,
+                               "its first declaration", poll=0.05)
+            # the first attempt ends after 5 s with its tombstone; the second declares again
+            # with a later version, which must outrank that tombstone while it matchmakes
+            def redeclared() -> list[Any] | bool:
+                r = declaration()
+                if r is not None and r[2] > first[2] and r[1] != b"":
+                    return r
+                return not lonely.is_alive()  # it ended: stop looking
+
+            later = wait_until(redeclared, 10, "a later declaration or the request's end",
+                               poll=0.05)
+            last = declaration()
         finally:
             lonely.join(20)
-    assert peer.info["peer_id"] in records, records
-    assert records[peer.info["peer_id"]][1] != b"", "its live declaration is a tombstone"
+    assert later is not True, f"no live declaration after its first attempt (last: {last})"
 
 
 def cpu_seconds(pid: int) -> float:

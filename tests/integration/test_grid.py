@@ -15,7 +15,8 @@ import torch
 
 import moshpit
 from moshpitd.launcher import LocalSwarm
-from tests.integration.helpers import assert_close_to_mean, run_parallel
+from tests.fuzz.target import find_subs
+from tests.integration.helpers import assert_close_to_mean, run_parallel, wait_until
 
 N = 16
 
@@ -150,7 +151,11 @@ def test_two_daemons_killed_during_matchmaking(swarm_factory: Callable[..., Loca
         while not all(_matchmaking(swarm.sockets[i]) for i in [4, 5, 6, 8, 9, 10]):
             assert time.monotonic() < started + 10, "rows 1 and 2 never started matchmaking"
             time.sleep(0.01)
-        time.sleep(0.3)  # they declared and wait for 7 and 11
+        # they declared in their rows' groups (round 1 averages along rows) and wait for
+        # 7 and 11
+        wait_until(lambda: all(declared(swarm.daemons[0].dht, f"kill/1/{row}", ids[i])
+                               for row in (1, 2) for i in range(4 * row, 4 * row + 3)), 10,
+                   "rows 1 and 2 declared")
         assert not any(pending[i].done() for i in [4, 5, 6, 8, 9, 10])
         for v in victims:
             swarm.daemons[v].kill()
@@ -207,6 +212,13 @@ def test_peer_that_sat_out_rounds_catches_up(swarm_factory: Callable[..., LocalS
     round_for([0, 1, 2, 3], 3, timeout=10)
     assert last(clients[3]).group_size == 2 and set(last(clients[3]).members) == {ids[2], ids[3]}
     assert [run_round(i) for i in range(4)] == [4, 4, 4, 4]
+
+
+def declared(dht: str, key: str, peer_id: str) -> bool:
+    """A DHT node holds the peer's live declaration under the group key."""
+    subs = find_subs(dht, key)
+    return isinstance(subs, list) and any(bytes(r[0]).hex() == peer_id and r[1] != b""
+                                          for r in subs)
 
 
 def _matchmaking(socket_path: str) -> bool:

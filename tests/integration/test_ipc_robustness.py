@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 
 import moshpit
 from moshpitd.launcher import LocalSwarm
-from tests.integration.helpers import run_parallel
+from tests.integration.helpers import active_keys, run_parallel, wait_until
 
 
 def frame(obj: Any) -> bytes:
@@ -269,11 +268,19 @@ def start_trainer(socket_path: str, key: str, elems: int) -> subprocess.Popen[st
 
 
 def test_trainer_killed_during_matchmaking(swarm_factory: Callable[..., LocalSwarm]) -> None:
+    """The kill lands while the daemon reports the request matchmaking (its trainer waits for
+    a partner that never comes, up to 20 s); the daemon then drops the request at once, long
+    before its timeout, and takes a new one under the same key."""
     swarm = swarm_factory(2)
+    watch = moshpit.Client(swarm.sockets[0])
     proc = start_trainer(swarm.sockets[0], "lonely", 1000)
-    time.sleep(1.0)  # it is now waiting for a partner that never comes
+    wait_until(lambda: "lonely" in active_keys(watch), 10, "the request matchmaking")
+    assert proc.poll() is None, "the trainer's request ended before the kill"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert proc.stdout is not None and proc.stdout.read() == "", "its request had ended"
+    wait_until(lambda: "lonely" not in active_keys(watch), 5,
+               "the daemon dropping the dead trainer's request")
     assert swarm.daemons[0].alive()
     # the key is free again: a new request under it is not refused as a duplicate
     clients = [moshpit.Client(s) for s in swarm.sockets]

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import struct
 import subprocess
-import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -22,7 +23,7 @@ import moshpit
 from moshpitd.auth import SwarmKey
 from moshpitd.launcher import LocalSwarm, start_daemon
 from moshpitd.proto import moshpit_pb2 as pb
-from tests.integration.helpers import run_parallel
+from tests.integration.helpers import run_parallel, wait_until
 
 
 def key_file(path: Path, secret: bytes) -> str:
@@ -45,6 +46,14 @@ def hostport(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def rejected_dht(metrics: str) -> float:
+    """DHT datagrams the daemon serving these metrics refused for their swarm-key tag."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as resp:
+        body = resp.read().decode()
+    found = re.search(r'^moshpitd_auth_rejected_total\{plane="dht"\} (\S+)$', body, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def udp_ask(addr: tuple[str, int], datagram: bytes, wait: float = 1.0) -> bytes | None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(wait)
@@ -63,6 +72,7 @@ def test_swarm_key_admits_members_only(tmp_path: Path) -> None:
         assert all(isinstance(r, torch.Tensor) and torch.equal(r, torch.full((50_000,), 2.0))
                    for r in results), results
         a = swarm.daemons[0]
+        refused = rejected_dht(a.info["metrics"])
         # a daemon with another key (and one with none) bootstrapped from a member: no DHT
         # contact, no group with the members
         outsiders = [
@@ -71,7 +81,10 @@ def test_swarm_key_admits_members_only(tmp_path: Path) -> None:
             start_daemon("nokey", tmp_path, [a.dht]),
         ]
         try:
-            time.sleep(1.5)
+            # both tried to join through `a` and, still alone, tried again (0.5 s later):
+            # `a` refused all of it
+            wait_until(lambda: rejected_dht(a.info["metrics"]) >= refused + 4, 15,
+                       "the member refusing the outsiders' joins and their retries")
             for d in outsiders:
                 with moshpit.Client(d.socket) as c:
                     assert c.status()["status"]["dht_peers"] == 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +26,11 @@ def test_download_from_donors_and_clear_error_without_any(
     a, b, joiner = (moshpit.Client(s) for s in swarm.sockets)
     with pytest.raises(moshpit.StateUnavailable, match="no donor"):
         joiner.download_state("run", timeout=1.0)
-    a.publish_state("run", state(1), {"step": 41})
-    time.sleep(0.01)
-    b.publish_state("run", state(2), {"step": 42})  # the latest version wins
+    older = a.publish_state("run", state(1), {"step": 41})  # versioned by a's clock
+    newer = b.publish_state("run", state(2), {"step": 42}, version=older + 1)
+    assert newer == older + 1
     tensors, meta = joiner.download_state("run", timeout=10)
-    assert meta == {"step": 42}
+    assert meta == {"step": 42}  # the latest version wins
     for got, want in zip(tensors, state(2), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)
