@@ -326,7 +326,7 @@ class Client:
     def _call(self, req: wire.Message, reply: type[R], timeout: float,
               fd: int | None = None) -> R:
         """One request; its reply decoded by field name."""
-        return decode_reply(req.OP, self._request(req, timeout, fd), reply)
+        return decode_reply(req.OP, self._request(req, timeout=timeout, fd=fd), reply)
 
     def _request(self, req: wire.Message, timeout: float,
                  fd: int | None = None) -> dict[str, Any]:

@@ -276,7 +276,7 @@ class Session:
                                  f"daemon's limit {limit} (setting max_group_size)")
             min_group = min(min_group, grid.size)
         if req.codec not in CODECS:
-            raise FieldError("average", "codec", f"{req.codec!r} is not one of "
+            raise FieldError("average", "codec", f"is {req.codec!r}, not one of "
                              f"{', '.join(CODECS)}")
         return AverageRequest(req.key, specs, req.weight, req.timeout, req.group_size,
                               min_group, grid, req.rounds, coords, req.codec, req.aggregation)
