@@ -39,6 +39,6 @@ class FieldError(IPCError):
 
     def __init__(self, op: str, name: str, problem: str,
                  code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
-        super().__init__(code, f"{op}: field {name!r} {problem}")
+        super().__init__(code, f"{op}: field {name!r:.80} {problem}")  # a peer's name: cut
         self.op = op
         self.field = name

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 from moshpitd.ipc.errors import ErrorCode, FieldError
@@ -24,75 +25,100 @@ class Message:
 
 
 M = TypeVar("M", bound=Message)
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    return hints
+Check = Callable[[Any], tuple[bool, Any]]  # (fits, the value as the field holds it)
 
 
 def _type_name(hint: Any) -> str:
     return str(hint).replace("typing.", "") if typing.get_origin(hint) else hint.__name__
 
 
-def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
-    """(fits, value) for a decoded msgpack value and a field's type; an int fits a float
-    field (and becomes a float), a bool fits only a bool field."""
-    if hint is Any:
-        return True, value
+def _check(hint: Any) -> Check:
+    """How a decoded msgpack value is checked against a field's type: an int fits a float
+    field (and becomes a float), a bool fits only a bool field. Built once per field."""
     origin = typing.get_origin(hint)
+    if hint is Any:
+        return lambda v: (True, v)
     if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(hint):
-            fits, out = _conform(value, arm)
-            if fits:
-                return True, out
-        return False, value
+        arms = [_check(arm) for arm in typing.get_args(hint)]
+
+        def union(v: Any) -> tuple[bool, Any]:
+            for arm in arms:
+                fits, out = arm(v)
+                if fits:
+                    return True, out
+            return False, v
+        return union
     if hint is type(None):
-        return value is None, value
-    if isinstance(value, bool) and hint is not bool:
-        return False, value
+        return lambda v: (v is None, v)
     if hint is float:
-        return (True, float(value)) if isinstance(value, int | float) else (False, value)
+        return lambda v: ((True, float(v)) if isinstance(v, int | float)
+                          and not isinstance(v, bool) else (False, v))
+    if hint is bool:
+        return lambda v: (isinstance(v, bool), v)
     if origin is list:
-        if not isinstance(value, list):
-            return False, value
         (elem,) = typing.get_args(hint)
         if elem is Any:
-            return True, value
-        out = []
-        for item in value:
-            fits, item = _conform(item, elem)
-            if not fits:
-                return False, value
-            out.append(item)
-        return True, out
+            return lambda v: (isinstance(v, list), v)
+        item = _check(elem)
+        if float not in (elem, *typing.get_args(elem)):  # items stay as they are: no copy
+            return lambda v: (isinstance(v, list) and all(item(x)[0] for x in v), v)
+
+        def items(v: Any) -> tuple[bool, Any]:
+            if not isinstance(v, list):
+                return False, v
+            out = []
+            for x in v:
+                fits, x = item(x)
+                if not fits:
+                    return False, v
+                out.append(x)
+            return True, out
+        return items
     if origin is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) for k in value), value
-    return isinstance(value, hint), value
+        return lambda v: (isinstance(v, dict) and all(isinstance(k, str) for k in v), v)
+    return lambda v: (isinstance(v, hint) and not isinstance(v, bool), v)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    check: Check
+    required: bool
+    type_name: str
+
+
+_FIELDS: dict[type, dict[str, _Field]] = {}
+
+
+def _fields(cls: type) -> dict[str, _Field]:
+    known = _FIELDS.get(cls)
+    if known is None:
+        hints = typing.get_type_hints(cls)
+        known = _FIELDS[cls] = {f.name: _Field(
+            f.name, _check(hints[f.name]),
+            f.default is REQUIRED and f.default_factory is REQUIRED,
+            _type_name(hints[f.name])) for f in dataclasses.fields(cls)}
+    return known
 
 
 def decode(cls: type[M], fields: dict[str, Any],
            code: ErrorCode = ErrorCode.INVALID_REQUEST) -> M:
     """A message from a frame's fields (the envelope's op, id and ok already taken out)."""
     op = cls.OP
-    hints = _hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    known = _fields(cls)
     for name in fields:
         if name not in known:
             raise FieldError(op, str(name), "is not a field of this op", code)
     values: dict[str, Any] = {}
     for name, f in known.items():
         if name not in fields:
-            if f.default is REQUIRED and f.default_factory is REQUIRED:
+            if f.required:
                 raise FieldError(op, name, "is missing", code)
             continue
-        fits, value = _conform(fields[name], hints[name])
+        fits, value = f.check(fields[name])
         if not fits:
             raise FieldError(op, name, f"has the wrong type ({type(fields[name]).__name__}, "
-                             f"expected {_type_name(hints[name])})", code)
+                             f"expected {f.type_name})", code)
         values[name] = value
     msg = cls(**values)
     try:
@@ -105,4 +131,4 @@ def decode(cls: type[M], fields: dict[str, Any],
 
 def encode(msg: Message) -> dict[str, Any]:
     """The message's fields by name (a shallow copy: msgpack packs the values as they are)."""
-    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}  # type: ignore
+    return {name: getattr(msg, name) for name in _fields(type(msg))}

@@ -306,7 +306,8 @@ def split_request(frame: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not isinstance(op, str):
         raise FieldError("request", "op", "must be a string naming the op")
     if op not in OPS:
-        raise IPCError(ErrorCode.INVALID_REQUEST, f"unknown op {op!r} (ops: {', '.join(OPS)})")
+        raise IPCError(ErrorCode.INVALID_REQUEST, f"unknown op {op!r:.80} (ops: "
+                       f"{', '.join(OPS)})")
     return op, {k: v for k, v in frame.items() if k not in ("op", "id")}
 
 

@@ -171,7 +171,7 @@ class Session:
         theirs = fields.get("protocol", 1)  # before the type check: any client learns ours
         if theirs != wire.IPC_PROTOCOL or isinstance(theirs, bool):
             why = (f"this moshpitd ({__version__}) speaks IPC protocol {wire.IPC_PROTOCOL}, the "
-                   f"trainer's moshpit library speaks {theirs!r}: install matching versions")
+                   f"trainer's moshpit library speaks {theirs!r:.40}: install matching versions")
             log.warning("ipc session %d: refused: %s", self.number, why)
             await self._refuse("hello", rid, ErrorCode.VERSION_MISMATCH, why,
                                protocol=wire.IPC_PROTOCOL)
