@@ -3,6 +3,8 @@
 from moshpit.client import AGGREGATIONS, Client, RoundInfo
 from moshpit.errors import (
     AllreduceFailed,
+    DaemonBusy,
+    DaemonError,
     DaemonShuttingDown,
     DaemonUnavailable,
     DuplicateRequest,
@@ -11,15 +13,18 @@ from moshpit.errors import (
     InvalidRequest,
     MoshpitError,
     ProtocolError,
+    RoundTimeout,
     SchemaMismatch,
     StateUnavailable,
+    VersionMismatch,
 )
 from moshpit.optimizer import Optimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AGGREGATIONS", "AllreduceFailed", "Client", "DaemonShuttingDown", "DaemonUnavailable",
-    "DuplicateRequest", "GridMismatch", "GroupNotFound", "InvalidRequest", "MoshpitError",
-    "Optimizer", "ProtocolError", "RoundInfo", "SchemaMismatch", "StateUnavailable",
+    "AGGREGATIONS", "AllreduceFailed", "Client", "DaemonBusy", "DaemonError",
+    "DaemonShuttingDown", "DaemonUnavailable", "DuplicateRequest", "GridMismatch",
+    "GroupNotFound", "InvalidRequest", "MoshpitError", "Optimizer", "ProtocolError",
+    "RoundInfo", "RoundTimeout", "SchemaMismatch", "StateUnavailable", "VersionMismatch",
 ]

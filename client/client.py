@@ -6,36 +6,38 @@ The buffer is sealed against shrinking (the daemon insists), grown by attaching 
 
 from __future__ import annotations
 
-import array
 import ctypes
 import fcntl
 import mmap
 import os
-import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 
+from moshpit.connection import DaemonConnection, R, decode_reply
 from moshpit.errors import (
-    DaemonUnavailable,
     InvalidRequest,
-    MoshpitError,
     ProtocolError,
     StateUnavailable,
-    from_reply,
+)
+from moshpitd.ipc import schema as wire
+from moshpitd.ipc.schema import (
+    AGGREGATIONS,
+    DEFAULT_TIMEOUT,
+    LOCAL_REPLY_TIMEOUT,
+    REPLY_MARGIN,
+    aligned,
 )
 
-MAX_FRAME = 1 << 20
-ALIGN = 64
 _DTYPES = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
-# How a group combines its members' values (the daemon's moshpitd/allreduce/robust.py).
-AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
+# s: download_state does not start (or retry) a download with less time than this left; a
+# state of any size takes longer than that to find and fetch
+MIN_DOWNLOAD_TIME = 0.5
 
 
 def check_aggregation(aggregation: str) -> str:
@@ -78,7 +80,7 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[list[Any]], int]:
         if dtype is None:
             raise TypeError(f"tensor {i} has dtype {t.dtype}; moshpit averages "
                             f"{', '.join(map(str, _DTYPES))}")
-        offset = (offset + ALIGN - 1) // ALIGN * ALIGN
+        offset = aligned(offset)
         specs.append([dtype, list(t.shape), offset])
         offset += t.numel() * t.element_size()
     return specs, max(offset, 1)
@@ -89,14 +91,18 @@ def _address(buf: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
-def _round_info(reply: dict[str, Any]) -> RoundInfo:
-    coords = reply.get("coords")
+def _round_info(reply: wire.AverageReply) -> RoundInfo:
+    if any(len(span) != 3 for span in reply.spans):
+        raise ProtocolError("average: field 'spans' holds a span that is not [start, stop, "
+                            "mask]")
     return RoundInfo(
-        int(reply["group_size"]), float(reply["seconds"]), float(reply["matchmaking_seconds"]),
-        int(reply["bytes_sent"]), int(reply["bytes_received"]), reply.get("round"),
-        None if coords is None else tuple(coords), tuple(reply.get("group_sizes", ())),
-        tuple((int(a), int(b), int(m)) for a, b, m in reply.get("spans", ())),
-        tuple(str(m) for m in reply.get("members", ())), int(reply.get("owned", 0)))
+        group_size=reply.group_size, seconds=reply.seconds,
+        matchmaking_seconds=reply.matchmaking_seconds, bytes_sent=reply.bytes_sent,
+        bytes_received=reply.bytes_received, round=reply.round,
+        coords=None if reply.coords is None else tuple(reply.coords),
+        group_sizes=tuple(reply.group_sizes),
+        spans=tuple((a, b, m) for a, b, m in reply.spans),
+        members=tuple(reply.members), owned=reply.owned)
 
 
 class Client:
@@ -105,26 +111,24 @@ class Client:
     def __init__(self, socket_path: str, connect_timeout: float = 5.0) -> None:
         self.socket_path = socket_path
         self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(connect_timeout)
-        try:
-            self._sock.connect(socket_path)
-        except OSError as exc:
-            self._sock.close()
-            raise DaemonUnavailable(f"cannot connect to moshpitd at {socket_path}: {exc}") from exc
+        self._conn = DaemonConnection(socket_path, connect_timeout)
         self._mmap: mmap.mmap | None = None
         self._size = 0
         self._shared: list[tuple[int, int, int, mmap.mmap]] = []  # id, address, size, map
-        self._next_id = 0
         self.last_round: RoundInfo | None = None
         # the last download_state: {"version", "donors" (holders seen), "served_by"}
         self.last_download: dict[str, int] | None = None
-        hello = self._request({"op": "hello"}, timeout=connect_timeout)
-        self.peer_id: str = str(hello.get("peer_id", ""))
+        try:
+            hello = self._hello(connect_timeout)
+        except BaseException:
+            self._conn.close()
+            raise
+        self.peer_id: str = hello.peer_id
+        self.daemon_version: str = hello.version
 
     # --- public API -----------------------------------------------------------------------
     def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
-                timeout: float = 30.0, group_size: int = 16, min_group_size: int = 2,
+                timeout: float = DEFAULT_TIMEOUT, group_size: int = 16, min_group_size: int = 2,
                 grid: tuple[int, int] | None = None, rounds: int = 1,
                 initial_coords: Sequence[int] | None = None,
                 codec: str = "none", aggregation: str = "mean") -> list[torch.Tensor]:
@@ -152,16 +156,14 @@ class Client:
                 views = self._views(self._mmap, specs)
                 for view, t in zip(views, tensors, strict=True):
                     view.copy_(t.detach().reshape(-1))
-            reply = self._request({
-                "op": "average", "key": key, "tensors": specs, "weight": float(weight),
-                "timeout": float(timeout), "group_size": int(group_size),
-                "min_group_size": int(min_group_size),
-                "grid": None if grid is None else [int(grid[0]), int(grid[1])],
-                "rounds": int(rounds), "codec": str(codec), "buffer": bid,
-                "aggregation": aggregation,
-                "initial_coords": None if initial_coords is None else [int(c) for c in
-                                                                       initial_coords],
-            }, timeout=timeout + 10.0)
+            reply = self._call(wire.AverageRequest(
+                key=key, tensors=specs, weight=float(weight), timeout=float(timeout),
+                group_size=int(group_size), min_group_size=int(min_group_size),
+                grid=None if grid is None else [int(grid[0]), int(grid[1])],
+                rounds=int(rounds), codec=str(codec), buffer=bid, aggregation=aggregation,
+                initial_coords=None if initial_coords is None else [int(c) for c in
+                                                                    initial_coords],
+            ), wire.AverageReply, timeout=timeout + REPLY_MARGIN)
             self.last_round = _round_info(reply)
             if shared is not None:
                 return tensors
@@ -187,7 +189,7 @@ class Client:
 
     def publish_state(self, key: str, tensors: Sequence[torch.Tensor],
                       meta: dict[str, Any] | None = None, version: int | None = None,
-                      timeout: float = 30.0) -> int:
+                      timeout: float = DEFAULT_TIMEOUT) -> int:
         """Hand the daemon a snapshot of this trainer's state (parameters, optimizer state,
         step...) for peers that join the run later; returns its version. The daemon keeps a
         copy and serves it itself, so downloads never block this trainer. Peers publishing
@@ -204,13 +206,12 @@ class Client:
                 self._ensure_buffer(size)
                 for view, t in zip(self._views(self._mmap, specs), tensors, strict=True):
                     view.copy_(t.detach().reshape(-1))
-            reply = self._request({"op": "publish_state", "key": key, "tensors": specs,
-                                   "buffer": bid, "meta": meta or {}, "timeout": timeout,
-                                   "version": version},
-                                  timeout=timeout + 10.0)
-            return int(reply["version"])
+            reply = self._call(wire.PublishStateRequest(
+                key=key, tensors=specs, buffer=bid, meta=meta or {}, timeout=float(timeout),
+                version=version), wire.PublishStateReply, timeout=timeout + REPLY_MARGIN)
+            return reply.version
 
-    def download_state(self, key: str, timeout: float = 30.0
+    def download_state(self, key: str, timeout: float = DEFAULT_TIMEOUT
                        ) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """The latest state published under `key` by peers, downloaded by this daemon from
         several donors at once (a donor that dies mid-way is replaced). Raises
@@ -218,45 +219,49 @@ class Client:
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
-                info = self._request({"op": "state_info", "key": key, "timeout": timeout},
-                                     timeout=timeout + 10.0)
-                self._ensure_buffer(int(info["total"]))
-                remaining = max(deadline - time.monotonic(), 0.5)
+                info = self._call(wire.StateInfoRequest(key=key, timeout=float(timeout)),
+                                  wire.StateInfoReply, timeout=timeout + REPLY_MARGIN)
+                self._ensure_buffer(info.total)
+                remaining = max(deadline - time.monotonic(), MIN_DOWNLOAD_TIME)
                 try:
-                    reply = self._request({"op": "download_state", "key": key, "buffer": 0,
-                                           "version": int(info["version"]),
-                                           "timeout": remaining}, timeout=remaining + 10.0)
+                    reply = self._call(wire.DownloadStateRequest(
+                        key=key, buffer=0, version=info.version, timeout=remaining),
+                        wire.DownloadStateReply, timeout=remaining + REPLY_MARGIN)
                     break
                 except StateUnavailable:
                     # every holder of that version left meanwhile: a newer one may exist
                     timeout = deadline - time.monotonic()
-                    if timeout < 0.5:
+                    if timeout < MIN_DOWNLOAD_TIME:
                         raise
-            self.last_download = {"version": int(reply["version"]),
-                                  "donors": int(reply["donors"]),
-                                  "served_by": int(reply["served_by"])}
-            specs = [list(t) for t in reply["tensors"]]
+            self.last_download = {"version": reply.version, "donors": reply.donors,
+                                  "served_by": reply.served_by}
+            specs = [list(t) for t in reply.tensors]
             views = self._views(self._mmap, specs)
             tensors = [v.clone().reshape(tuple(shape)) for v, (_, shape, _) in
                        zip(views, specs, strict=True)]
-            return tensors, dict(reply.get("meta", {}))
+            return tensors, dict(reply.meta)
 
     def status(self) -> dict[str, Any]:
+        """{"status": the daemon's state, "metrics": its /metrics address, "ipc": its socket}."""
         with self._lock:
-            return self._request({"op": "status"}, timeout=10.0)
+            return wire.encode(self._call(wire.StatusRequest(), wire.StatusReply,
+                                          timeout=LOCAL_REPLY_TIMEOUT))
 
     def rounds(self) -> list[dict[str, Any]]:
         with self._lock:
-            return list(self._request({"op": "rounds"}, timeout=10.0)["rounds"])
+            return self._call(wire.RoundsRequest(), wire.RoundsReply,
+                              timeout=LOCAL_REPLY_TIMEOUT).rounds
 
     def peers(self) -> dict[str, Any]:
-        """{"contacts": [{peer_id, dht}], "runs": {run: [{peer_id, coords, round, grpc}]}}."""
+        """{"contacts": [{peer_id, dht}], "runs": {run: [{peer_id, coords, round, grpc}]}}.
+        Waits as long as a request's default timeout: the daemon looks each run up in the
+        DHT."""
         with self._lock:
-            reply = self._request({"op": "peers"}, timeout=30.0)
-        return {"contacts": reply.get("contacts", []), "runs": reply.get("runs", {})}
+            reply = self._call(wire.PeersRequest(), wire.PeersReply, timeout=DEFAULT_TIMEOUT)
+        return {"contacts": reply.contacts, "runs": reply.runs}
 
     def close(self) -> None:
-        self._sock.close()
+        self._conn.close()
         self._mmap = None
         self._shared.clear()
 
@@ -309,71 +314,22 @@ class Client:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             buf = mmap.mmap(fd, size)
-            self._request({"op": "attach", "size": size, "buffer": bid}, timeout=10.0, fd=fd)
+            self._call(wire.AttachRequest(size=size, buffer=bid), wire.AttachReply,
+                       timeout=LOCAL_REPLY_TIMEOUT, fd=fd)
         finally:
             os.close(fd)
         return buf
 
-    def _request(self, msg: dict[str, Any], timeout: float,
+    def _hello(self, timeout: float) -> wire.HelloReply:
+        return self._conn.hello(timeout)
+
+    def _call(self, req: wire.Message, reply: type[R], timeout: float,
+              fd: int | None = None) -> R:
+        """One request; its reply decoded by field name."""
+        return decode_reply(req.OP, self._request(req, timeout=timeout, fd=fd), reply)
+
+    def _request(self, req: wire.Message, timeout: float,
                  fd: int | None = None) -> dict[str, Any]:
-        self._next_id += 1
-        rid = self._next_id
-        payload = msgpack.packb({**msg, "id": rid}, use_bin_type=True)
-        frame = len(payload).to_bytes(4, "big") + payload
-        try:
-            self._sock.settimeout(timeout)
-            if fd is None:
-                self._sock.sendall(frame)
-            else:
-                sent = self._sock.sendmsg(
-                    [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-                )
-                if sent < len(frame):
-                    self._sock.sendall(frame[sent:])
-            deadline = time.monotonic() + timeout
-            while True:
-                reply = self._read_frame(deadline)
-                if reply.get("id") in (rid, None):
-                    break
-        except TimeoutError as exc:
-            raise DaemonUnavailable(f"no reply from moshpitd within {timeout:.1f} s") from exc
-        except OSError as exc:
-            last = self._last_words()
-            if last is not None:  # it said why it went (a drain): raise that, not EPIPE
-                raise from_reply(last) from exc
-            raise DaemonUnavailable(f"lost the connection to moshpitd: {exc}") from exc
-        if not reply.get("ok"):
-            raise from_reply(reply)
-        return reply
-
-    def _last_words(self) -> dict[str, Any] | None:
-        """A frame the daemon sent before closing, if one is waiting unread."""
-        try:
-            reply = self._read_frame(time.monotonic() + 0.05)
-        except (OSError, MoshpitError, ValueError):
-            return None
-        return reply if reply.get("id") is None and not reply.get("ok") else None
-
-    def _read_frame(self, deadline: float) -> dict[str, Any]:
-        head = self._recv_exact(4, deadline)
-        size = int.from_bytes(head, "big")
-        if size > MAX_FRAME:
-            raise ProtocolError(f"reply frame of {size} bytes is too large")
-        obj = msgpack.unpackb(self._recv_exact(size, deadline), raw=False)
-        if not isinstance(obj, dict):
-            raise ProtocolError("reply is not a map")
-        return obj
-
-    def _recv_exact(self, n: int, deadline: float) -> bytes:
-        chunks, got = [], 0
-        while got < n:
-            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            chunk = self._sock.recv(n - got)
-            if not chunk:
-                raise DaemonUnavailable("moshpitd closed the connection")
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
-
+        return self._conn.request(req, timeout, fd)
 
 __all__ = ["AGGREGATIONS", "Client", "InvalidRequest", "RoundInfo"]

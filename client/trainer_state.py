@@ -17,6 +17,7 @@ from torch import nn
 
 from moshpit.client import Client, RoundInfo
 from moshpit.errors import MoshpitError
+from moshpitd.ipc.schema import DEFAULT_TIMEOUT
 
 WIRE_DTYPES = (torch.float16, torch.float32, torch.float64)
 # Integer-valued counters: averaging them would be meaningless (Adam's bias correction must
@@ -36,7 +37,7 @@ class AveragingClient(Protocol):
     last_round: RoundInfo | None
 
     def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
-                timeout: float = 30.0, group_size: int = 16, min_group_size: int = 2,
+                timeout: float = DEFAULT_TIMEOUT, group_size: int = 16, min_group_size: int = 2,
                 grid: tuple[int, int] | None = None, rounds: int = 1,
                 initial_coords: Sequence[int] | None = None,
                 codec: str = "none", aggregation: str = "mean") -> list[torch.Tensor]: ...

@@ -21,6 +21,7 @@ import msgpack
 import numpy as np
 
 from moshpitd.allreduce.codecs import CODECS, Codec
+from moshpitd.ipc.schema import aligned
 
 SUPPORTED_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 DEFAULT_PART_BYTES = 1 << 20
@@ -270,12 +271,13 @@ class FlatView:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def pack(self) -> tuple[bytes, list[list[Any]]]:
-        # the tensors copied into one contiguous snapshot (64-byte aligned), with their
+        # the tensors copied into one contiguous snapshot (BUFFER_ALIGN-aligned: a joiner's
+        # client reads them where they land in its shared buffer), with their
         # [dtype, shape, offset] in it
         specs: list[list[Any]] = []
         offset = 0
         for spec in self.specs:
-            offset = (offset + 63) // 64 * 64
+            offset = aligned(offset)
             specs.append([spec.dtype, list(spec.shape), offset])
             offset += spec.nbytes
         out = bytearray(offset)

@@ -39,7 +39,8 @@ from functools import lru_cache
 
 import numpy as np
 
-AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
+from moshpitd.ipc.schema import AGGREGATIONS  # the names a request may ask for
+
 TRIM = 0.25  # share of the weight dropped at each end: the mean of the middle half
 TAU_SCALE = 2.0  # tau = TAU_SCALE x the weighted median distance from the median
 ITERATIONS = 10  # at a clipped share <= 1/4, 10 iterations shrink the start's error 1e6-fold

@@ -15,9 +15,10 @@ from typing import Any
 
 import msgpack
 
-MAX_FRAME = 1 << 20
+from moshpitd.ipc.schema import LENGTH_PREFIX as _LEN
+from moshpitd.ipc.schema import MAX_FRAME
+
 MAX_FDS = 4
-_LEN = 4
 
 
 class ProtocolError(Exception):

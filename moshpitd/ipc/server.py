@@ -11,12 +11,21 @@ import socket
 import stat
 
 from moshpitd.ipc.framing import FramedSocket
+from moshpitd.ipc.schema import ErrorCode, error_frame
 from moshpitd.ipc.session import Session
 from moshpitd.node import MoshpitNode
 
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 64
+# Protocol constants: neither comes from a request or a round (no round is involved).
+# s the accept loop waits when the process is out of descriptors: long enough for sessions
+# to close and free some, short against a trainer's connect timeout (5 s by default)
+ACCEPT_RETRY = 0.1
+# s a goodbye frame may take to reach one trainer during a drain: a frame of ~100 bytes into
+# a unix socket takes microseconds unless the trainer stopped reading and its buffer is full;
+# such a trainer must not hold up the drain of the others
+GOODBYE_TIMEOUT = 1.0
 
 
 class IPCServer:
@@ -52,15 +61,15 @@ class IPCServer:
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
                     log.warning("ipc accept: %s; retrying", exc)
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(ACCEPT_RETRY)
                     continue
                 raise
             if len(self.sessions) >= self.max_sessions:
                 framed = FramedSocket(conn)
                 with contextlib.suppress(OSError):
-                    await framed.write_frame({"ok": False, "error": "TooManySessions",
-                                              "message": f"at most {self.max_sessions} "
-                                              "trainer sessions at once (max_ipc_sessions)"})
+                    await framed.write_frame(error_frame(
+                        None, ErrorCode.TOO_MANY_SESSIONS, f"at most {self.max_sessions} "
+                        "trainer sessions at once (max_ipc_sessions)"))
                 framed.close()
                 continue
             self._count += 1
@@ -94,11 +103,11 @@ class IPCServer:
     async def say_goodbye(self) -> None:
         """Tell every attached trainer why the daemon goes: the frame (id nil) answers its
         next request, so it raises a clear error instead of finding a dead socket."""
-        goodbye = {"ok": False, "id": None, "error": "ShuttingDown",
-                   "message": "moshpitd is shutting down (SIGTERM); reconnect when it is back"}
+        goodbye = error_frame(None, ErrorCode.SHUTTING_DOWN,
+                              "moshpitd is shutting down (SIGTERM); reconnect when it is back")
         async def tell(session: Session) -> None:
             with contextlib.suppress(OSError, TimeoutError):
-                async with asyncio.timeout(1.0):
+                async with asyncio.timeout(GOODBYE_TIMEOUT):
                     await session.conn.write_frame(goodbye)
         await asyncio.gather(*(tell(s) for s in list(self.live)))
 

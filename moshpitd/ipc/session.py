@@ -1,12 +1,11 @@
-"""IPC server: one session per trainer connection.
+"""One trainer's session: requests decoded by moshpitd/ipc/schema.py, answered in order of
+completion (each reply carries its request's id).
 
-Operations (each a msgpack map with "op"; replies carry the request's "id"):
-  hello                      -> peer id and version
-  attach {size}  + one fd    -> maps the trainer's memfd (replaces any earlier buffer)
-  average {key, tensors, weight, timeout, group_size, min_group_size, aggregation, ...}
-                             -> averages tensors in the buffer in place
-  status, rounds, peers      -> daemon state for the CLI
-Any malformed frame gets an error reply; a frame that breaks the framing closes the connection.
+A session starts with `hello` at this daemon's IPC_PROTOCOL; a trainer of another protocol is
+told so and the session ends. A malformed request gets an error reply naming the op and the
+field, and the session goes on; a frame that breaks the framing ends the session. Every
+failure's code is chosen here: by the check that refuses a request, or, for a failure inside a
+round or a state transfer, by the per-op tables below (by exception type, never by its name).
 """
 
 from __future__ import annotations
@@ -14,22 +13,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import time
+from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from moshpitd import __version__
 from moshpitd.allreduce.butterfly import AllreduceError
 from moshpitd.allreduce.codecs import CODECS
-from moshpitd.allreduce.layout import FlatView, LayoutError, specs_from_wire
-from moshpitd.allreduce.robust import AGGREGATIONS
+from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, specs_from_wire
+from moshpitd.ipc import schema as wire
 from moshpitd.ipc.buffer import BufferError_, SharedBuffer
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
-from moshpitd.matchmaking.errors import MatchmakingError
+from moshpitd.ipc.schema import ErrorCode, FieldError, IPCError
+from moshpitd.matchmaking.errors import DuplicateRequest, MatchmakingError, SchemaMismatch
 from moshpitd.matchmaking.grid import Grid, GridError
-from moshpitd.node import AverageRequest, MoshpitNode, ShuttingDown
-from moshpitd.state import StateUnavailable
+from moshpitd.matchmaking.runs import GridMismatch
+from moshpitd.node import MoshpitNode
+from moshpitd.node_config import ShuttingDown
+from moshpitd.rounds import AverageRequest
+from moshpitd.state import StateStore, StateUnavailable
 
 
 class SessionHost(Protocol):
@@ -40,31 +43,47 @@ class SessionHost(Protocol):
     metrics_endpoint: str
     path: str
 
+
 log = logging.getLogger(__name__)
 
 MAX_BUFFER = 16 << 30
 MAX_INFLIGHT = 8
-MAX_BUFFERS = 64
-KNOWN_OPS = frozenset({"hello", "attach", "average", "status", "rounds", "peers", "publish_state",
-                       "state_info", "download_state"})
+ROUND_OPS = frozenset({"average", "publish_state", "download_state"})  # refused while draining
+
+# What a failure inside an op's work is called, by type, first match. Refusals of the request
+# itself are IPCErrors raised with their code where they are checked.
+ErrorTable = tuple[tuple[type[BaseException], ErrorCode], ...]
+_DRAIN = ((ShuttingDown, ErrorCode.SHUTTING_DOWN),)
+AVERAGE_ERRORS: ErrorTable = (
+    *_DRAIN,
+    (DuplicateRequest, ErrorCode.DUPLICATE_REQUEST),
+    (SchemaMismatch, ErrorCode.SCHEMA_MISMATCH),
+    (GridMismatch, ErrorCode.GRID_MISMATCH),
+    (MatchmakingError, ErrorCode.GROUP_NOT_FOUND),  # GroupNotFound and its kin
+    (AllreduceError, ErrorCode.ALLREDUCE_FAILED),
+    # every step of a round is bounded by the round's clock; one that still ran out of time
+    # failed the round (it is not a state transfer: see STATE_ERRORS)
+    (TimeoutError, ErrorCode.ROUND_TIMEOUT),
+    (ValueError, ErrorCode.INVALID_REQUEST),  # the tensors vs the buffer and the daemon's limits
+)
+STATE_ERRORS: ErrorTable = (
+    *_DRAIN,
+    (StateUnavailable, ErrorCode.STATE_UNAVAILABLE),
+    (TimeoutError, ErrorCode.STATE_UNAVAILABLE),  # the download's deadline passed
+    (ValueError, ErrorCode.INVALID_REQUEST),  # the tensors vs the buffer
+)
+OP_ERRORS: dict[str, ErrorTable] = {"average": AVERAGE_ERRORS, "publish_state": STATE_ERRORS,
+                                    "state_info": STATE_ERRORS, "download_state": STATE_ERRORS}
 
 
-class RequestError(Exception):
-    """A well-framed request with bad contents: answered with an error, session goes on."""
-
-
-def _field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
-           required: bool = False) -> Any:
-    if name not in msg:
-        if required:
-            raise RequestError(f"missing field {name!r}")
-        return default
-    value = msg[name]
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise RequestError(f"field {name!r} has the wrong type (bool)")
-    if not isinstance(value, kind):
-        raise RequestError(f"field {name!r} has the wrong type ({type(value).__name__})")
-    return value
+def error_code(op: str, exc: BaseException) -> ErrorCode | None:
+    """The code of a failure of `op`; None for one nobody anticipated (a daemon bug)."""
+    if isinstance(exc, IPCError):
+        return exc.code
+    for kind, code in OP_ERRORS.get(op, ()):
+        if isinstance(exc, kind):
+            return code
+    return None
 
 
 class Session:
@@ -76,20 +95,20 @@ class Session:
         self.buffers: dict[int, SharedBuffer] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._retired: list[SharedBuffer] = []
+        self.greeted = False  # hello at our protocol came
 
     async def run(self) -> None:
         try:
-            while True:
-                msg = await self.conn.read_frame()
-                await self.dispatch(msg)
+            while await self.dispatch(await self.conn.read_frame()):
+                pass
         except ConnectionClosed:
             pass
         except ProtocolError as exc:
             log.info("ipc session %d: protocol error: %s", self.number, exc)
             self.node.metrics.ipc_requests.labels("invalid", "error").inc()
             with contextlib.suppress(OSError):
-                await self.conn.write_frame({"ok": False, "error": "ProtocolError",
-                                             "message": str(exc)})
+                await self.conn.write_frame(wire.error_frame(None, ErrorCode.PROTOCOL_ERROR,
+                                                             str(exc)))
         except OSError as exc:
             log.info("ipc session %d: connection error: %s", self.number, exc)
         finally:
@@ -104,220 +123,224 @@ class Session:
         self.buffers.clear()
         self.conn.close()
 
-    async def dispatch(self, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
-        rid = msg.get("id")
+    async def dispatch(self, frame: dict[str, Any]) -> bool:
+        """Answers or starts one request; False when the session must end."""
+        rid = frame.get("id")
         if not isinstance(rid, int | str | type(None)) or isinstance(rid, bool):
             rid = None
+        op = "invalid"  # the metric label until the op is known: a peer's strings mint none
         try:
-            if not isinstance(op, str):
-                raise RequestError("field 'op' must be a string")
-            if self.server.draining and op in ("average", "publish_state", "download_state"):
-                raise ShuttingDown("moshpitd is shutting down: it takes no new rounds")
-            if op == "average":
-                self._start_average(msg, rid)
-                return
-            if op in ("publish_state", "state_info", "download_state"):
-                self._start_task(self._state_op(op, msg), op, rid)
-                return
-            if op == "peers":
-                self._start_task(self.node.peers(), op, rid)
-                return
-            handler = {"hello": self._hello, "attach": self._attach, "status": self._status,
-                       "rounds": self._rounds}.get(op)
-            if handler is None:
-                raise RequestError(f"unknown op {op!r}")
-            reply = handler(msg)
+            op, fields = wire.split_request(frame)
+            if op == "hello":
+                return await self._hello(rid, fields)
+            if not self.greeted:
+                raise IPCError(ErrorCode.PROTOCOL_ERROR, f"{op} before hello: a session starts "
+                               f"with {{'op': 'hello', 'protocol': {wire.IPC_PROTOCOL}}}")
+            if self.server.draining and op in ROUND_OPS:
+                raise IPCError(ErrorCode.SHUTTING_DOWN,
+                               "moshpitd is shutting down: it takes no new rounds")
+            if op == "attach":
+                reply: wire.Message = self._attach(fields)
+            elif op == "status":
+                wire.decode(wire.StatusRequest, fields)
+                reply = wire.StatusReply(self.node.status(), self.server.metrics_endpoint,
+                                         self.server.path)
+            elif op == "rounds":
+                wire.decode(wire.RoundsRequest, fields)
+                reply = wire.RoundsReply(self.node.recent_rounds())
+            else:
+                self._start(op, fields, rid)
+                return True
             self.node.metrics.ipc_requests.labels(op, "ok").inc()
-            await self.conn.write_frame({"ok": True, "id": rid, **reply})
-        except (RequestError, BufferError_, LayoutError, ValueError, ShuttingDown) as exc:
-            # only known operations become label values: a peer's strings must not mint series
-            known = isinstance(op, str) and op in KNOWN_OPS
-            self.node.metrics.ipc_requests.labels(op if known else "invalid", "error").inc()
-            await self.conn.write_frame({"ok": False, "id": rid, "error": type(exc).__name__
-                                         .rstrip("_"), "message": str(exc)})
+            await self.conn.write_frame(wire.reply_frame(rid, reply))
+        except IPCError as exc:
+            await self._refuse(op, rid, exc.code, str(exc))
+        except OSError:
+            raise  # the connection's: the session ends (see run)
+        except Exception as exc:  # a bug of ours: the trainer still gets an answer
+            log.exception("ipc session %d: %s failed", self.number, op)
+            await self._refuse(op, rid, ErrorCode.INTERNAL_ERROR, f"daemon error: {exc!r}")
+        return True
 
-    def _hello(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"peer_id": self.node.peer_id.hex(), "version": __version__}
+    async def _refuse(self, op: str, rid: Any, code: ErrorCode, message: str,
+                      **extra: Any) -> None:
+        self.node.metrics.ipc_requests.labels(op, "error").inc()
+        await self.conn.write_frame(wire.error_frame(rid, code, message, **extra))
 
-    def _status(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"status": self.node.status(), "metrics": self.server.metrics_endpoint,
-                "ipc": self.server.path}
+    async def _hello(self, rid: Any, fields: dict[str, Any]) -> bool:
+        theirs = fields.get("protocol", 1)  # before the type check: any client learns ours
+        if theirs != wire.IPC_PROTOCOL or isinstance(theirs, bool):
+            why = (f"this moshpitd ({__version__}) speaks IPC protocol {wire.IPC_PROTOCOL}, the "
+                   f"trainer's moshpit library speaks {theirs!r:.40}: install matching versions")
+            log.warning("ipc session %d: refused: %s", self.number, why)
+            await self._refuse("hello", rid, ErrorCode.VERSION_MISMATCH, why,
+                               protocol=wire.IPC_PROTOCOL)
+            return False
+        wire.decode(wire.HelloRequest, fields)
+        self.greeted = True
+        self.node.metrics.ipc_requests.labels("hello", "ok").inc()
+        await self.conn.write_frame(wire.reply_frame(rid, wire.HelloReply(
+            self.node.peer_id.hex(), __version__, wire.IPC_PROTOCOL)))
+        return True
 
-    def _rounds(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"rounds": self.node.recent_rounds()}
-
-    def _attach(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _attach(self, fields: dict[str, Any]) -> wire.AttachReply:
         fd = self.conn.take_fd()
         try:
-            size = _field(msg, "size", int, required=True)
-        except RequestError:
+            req = wire.decode(wire.AttachRequest, fields)
+            if fd is None:
+                raise FieldError("attach", "size", "announces a memfd that did not come: pass "
+                                 "one with SCM_RIGHTS in the same message")
+            owned, fd = fd, None
+            new = SharedBuffer(owned, req.size, MAX_BUFFER)  # closes it, whatever happens
+        except BufferError_ as exc:
+            raise IPCError(ErrorCode.INVALID_REQUEST, f"attach: {exc}") from None
+        finally:
             if fd is not None:
                 os.close(fd)
-            raise
-        if fd is None:
-            raise RequestError("attach needs a memfd passed with SCM_RIGHTS in the same message")
-        try:
-            bid = _field(msg, "buffer", int, 0)
-            if not 0 <= bid < MAX_BUFFERS:
-                raise RequestError(f"buffer id must be in 0..{MAX_BUFFERS - 1}")
-        except RequestError:
-            os.close(fd)
-            raise
-        new = SharedBuffer(fd, size, MAX_BUFFER)
-        old = self.buffers.get(bid)
+        old = self.buffers.get(req.buffer)
         if old is not None:
             self._retired.append(old)  # requests in flight may still use it
-        self.buffers[bid] = new
-        return {"size": size, "buffer": bid}
+        self.buffers[req.buffer] = new
+        return wire.AttachReply(req.size, req.buffer)
 
-    def _start_average(self, msg: dict[str, Any], rid: Any) -> None:
-        key = _field(msg, "key", str, required=True)
-        if not 0 < len(key) <= 256:
-            raise RequestError("key must have 1..256 characters")
-        tensors = _field(msg, "tensors", list, required=True)
-        if len(tensors) > 100_000:
-            raise RequestError("too many tensors in one request (limit 100000)")
-        weight = float(_field(msg, "weight", (int, float), 1.0))
-        timeout = float(_field(msg, "timeout", (int, float), 30.0))
-        group_size = _field(msg, "group_size", int, 16)
-        min_group = _field(msg, "min_group_size", int, 2)
-        if not (math.isfinite(weight) and weight >= 0):
-            raise RequestError("weight must be a finite number >= 0")
-        if not (math.isfinite(timeout) and 0 < timeout <= 3600):
-            raise RequestError("timeout must be in (0, 3600] seconds")
-        if not 1 <= min_group <= group_size:
-            raise RequestError("need 1 <= min_group_size <= group_size")
-        limit = self.node.config.max_group_size
-        if group_size > limit:
-            raise RequestError(f"group_size {group_size} exceeds this daemon's limit {limit} "
-                               "(setting max_group_size)")
-        bid = _field(msg, "buffer", int, 0)
-        if bid not in self.buffers:
-            raise RequestError(f"no shared buffer {bid} attached: send 'attach' with a memfd "
-                               "first")
-        specs = specs_from_wire(tensors)
-        grid_field = _field(msg, "grid", (list, type(None)))
-        grid = None
-        if grid_field is not None:
-            if not (len(grid_field) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                 for x in grid_field)):
-                raise RequestError("grid must be [M, d] (cells per dimension, dimensions)")
-            try:
-                grid = Grid(grid_field[0], grid_field[1])
-            except GridError as exc:
-                raise RequestError(str(exc)) from None
-            if grid.size < 2:
-                raise RequestError("a grid needs at least 2 cells per dimension")
-            if grid.size > self.node.config.max_group_size:
-                raise RequestError(f"grid groups of {grid.size} exceed this daemon's limit "
-                                   f"{self.node.config.max_group_size} (setting max_group_size)")
-            min_group = min(min_group, grid.size)
-        rounds = _field(msg, "rounds", int, 1)
-        if not 1 <= rounds <= 1000:
-            raise RequestError("rounds must be in 1..1000")
-        if rounds > 1 and grid is None:
-            raise RequestError("rounds > 1 needs a grid")
-        coords = _field(msg, "initial_coords", (list, type(None)))
-        if coords is not None:
-            if grid is None:
-                raise RequestError("initial_coords needs a grid")
-            try:
-                coords = grid.check(coords)
-            except GridError as exc:
-                raise RequestError(str(exc)) from None
-        codec = _field(msg, "codec", str, "none")
-        if codec not in CODECS:
-            raise RequestError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
-        aggregation = _field(msg, "aggregation", str, "mean")
-        if aggregation not in AGGREGATIONS:
-            raise RequestError(f"aggregation {aggregation!r} is not one of "
-                               f"{', '.join(AGGREGATIONS)}")
-        request = AverageRequest(key, specs, weight, timeout, group_size, min_group, grid,
-                                 rounds, coords, codec, aggregation)
-        self._start_task(self._average(request, self.buffers[bid]), "average", rid)
-
-    def _start_task(self, coro: Any, op: str, rid: Any) -> None:
+    def _start(self, op: str, fields: dict[str, Any], rid: Any) -> None:
+        if op == "average":
+            req = wire.decode(wire.AverageRequest, fields)
+            work: Coroutine[Any, Any, wire.Message] = self._average(
+                self._average_request(req), self._buffer(op, req.buffer))
+        elif op == "publish_state":
+            work = self._publish(wire.decode(wire.PublishStateRequest, fields))
+        elif op == "state_info":
+            work = self._state_info(wire.decode(wire.StateInfoRequest, fields))
+        elif op == "download_state":
+            work = self._download(wire.decode(wire.DownloadStateRequest, fields))
+        else:
+            wire.decode(wire.PeersRequest, fields)
+            work = self._peers()
         if len(self.tasks) >= MAX_INFLIGHT:
-            coro.close()
-            raise RequestError(f"at most {MAX_INFLIGHT} requests in flight per session")
-        task = asyncio.create_task(self._reply_when_done(coro, op, rid))
+            work.close()
+            raise IPCError(ErrorCode.INVALID_REQUEST,
+                           f"at most {MAX_INFLIGHT} requests in flight per session")
+        task = asyncio.create_task(self._reply_when_done(work, op, rid))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _reply_when_done(self, coro: Any, op: str, rid: Any) -> None:
+    async def _reply_when_done(self, work: Coroutine[Any, Any, wire.Message], op: str,
+                               rid: Any) -> None:
         try:
-            reply = {"ok": True, "id": rid, **(await coro)}
+            frame = wire.reply_frame(rid, await work)
             self.node.metrics.ipc_requests.labels(op, "ok").inc()
-        except (RequestError, StateUnavailable, MatchmakingError, AllreduceError, LayoutError,
-                ValueError, TimeoutError, ShuttingDown) as exc:
-            self.node.metrics.ipc_requests.labels(op, "error").inc()
-            reply = {"ok": False, "id": rid, "error": type(exc).__name__, "message": str(exc)}
         except asyncio.CancelledError:
             if self.server.draining:  # cut off by the drain deadline: still say why
                 with contextlib.suppress(OSError, asyncio.CancelledError):
-                    await self.conn.write_frame({
-                        "ok": False, "id": rid, "error": "ShuttingDown",
-                        "message": "moshpitd is shutting down: the round did not finish within "
-                                   "its drain timeout"})
+                    await self.conn.write_frame(wire.error_frame(
+                        rid, ErrorCode.SHUTTING_DOWN, "moshpitd is shutting down: the round "
+                        "did not finish within its drain timeout"))
             raise
-        except Exception as exc:  # a bug of ours: the trainer still gets an answer
-            log.exception("ipc session %d: %s failed", self.number, op)
+        except Exception as exc:
             self.node.metrics.ipc_requests.labels(op, "error").inc()
-            reply = {"ok": False, "id": rid, "error": "InternalError",
-                     "message": f"daemon error: {exc!r}"}
+            code = error_code(op, exc)
+            if code is None:  # a bug of ours: the trainer still gets an answer
+                log.exception("ipc session %d: %s failed", self.number, op)
+                frame = wire.error_frame(rid, ErrorCode.INTERNAL_ERROR, f"daemon error: {exc!r}")
+            else:
+                frame = wire.error_frame(rid, code, str(exc) or repr(exc))
         with contextlib.suppress(OSError):
-            await self.conn.write_frame(reply)
+            await self.conn.write_frame(frame)
 
-    async def _state_op(self, op: str, msg: dict[str, Any]) -> dict[str, Any]:
-        # live state for joiners (see moshpitd/state.py)
-        key = _field(msg, "key", str, required=True)
-        timeout = float(_field(msg, "timeout", (int, float), 30.0))
-        if not (0 < len(key) <= 256 and 0 < timeout <= 3600):
-            raise RequestError("key must have 1..256 characters and timeout be in (0, 3600]")
-        store, pool = self.node.states, self.node.pool
-        assert store is not None
-        if op == "publish_state":
-            meta = _field(msg, "meta", dict, {})
-            buffer = self._buffer(msg)
-            view = FlatView(buffer.view(), specs_from_wire(_field(msg, "tensors", list,
-                                                                    required=True)))
-            data, packed = view.pack()
-            version = _field(msg, "version", (int, type(None)))
-            if version is not None and not 0 < version < 1 << 63:
-                raise RequestError("version must be a positive 63-bit integer")
-            version = await store.publish(key, packed, meta, data, version)
-            return {"version": version, "total": len(data)}
-        # one deadline for finding a donor and downloading: the trainer waits no longer
-        deadline = time.monotonic() + timeout
-        version = _field(msg, "version", int, 0)  # download_state: the version state_info saw
-        _, info, holders = await store.header(key, pool, timeout, version)
-        reply = {"total": holders[0].total, "version": holders[0].version,
-                 "tensors": info.get("tensors", []), "meta": info.get("meta", {}),
-                 "donors": len(holders)}
-        if op == "download_state":
-            buffer = self._buffer(msg)
-            remaining = max(deadline - time.monotonic(), 0.1)
-            reply["served_by"] = await store.download(key, info, holders, buffer.view(), pool,
-                                                      remaining)
-        return reply
+    def _buffer(self, op: str, bid: int) -> SharedBuffer:
+        buffer = self.buffers.get(bid)
+        if buffer is None:
+            raise FieldError(op, "buffer", f"names no shared buffer {bid} attached: send "
+                             "'attach' with a memfd first")
+        return buffer
 
-    def _buffer(self, msg: dict[str, Any]) -> SharedBuffer:
-        bid = _field(msg, "buffer", int, 0)
-        if bid not in self.buffers:
-            raise RequestError(f"no shared buffer {bid} attached: send 'attach' with a memfd "
-                               "first")
-        return self.buffers[bid]
+    def _average_request(self, req: wire.AverageRequest) -> AverageRequest:
+        """The daemon's request: what only this daemon can check (its limits, codecs, grids)."""
+        limit = self.node.config.max_group_size
+        if req.group_size > limit:
+            raise FieldError("average", "group_size", f"{req.group_size} exceeds this "
+                             f"daemon's limit {limit} (setting max_group_size)")
+        specs = _specs("average", req.tensors)
+        min_group, grid, coords = req.min_group_size, None, None
+        if req.grid is not None:
+            try:
+                grid = Grid(req.grid[0], req.grid[1])
+                coords = None if req.initial_coords is None else grid.check(req.initial_coords)
+            except GridError as exc:
+                raise FieldError("average", "grid", f"is unusable: {exc}") from None
+            if grid.size < 2:
+                raise FieldError("average", "grid", "needs at least 2 cells per dimension")
+            if grid.size > limit:
+                raise FieldError("average", "grid", f"groups of {grid.size} exceed this "
+                                 f"daemon's limit {limit} (setting max_group_size)")
+            min_group = min(min_group, grid.size)
+        if req.codec not in CODECS:
+            raise FieldError("average", "codec", f"is {req.codec!r}, not one of "
+                             f"{', '.join(CODECS)}")
+        return AverageRequest(req.key, specs, req.weight, req.timeout, req.group_size,
+                              min_group, grid, req.rounds, coords, req.codec, req.aggregation)
 
-    async def _average(self, request: AverageRequest, buffer: SharedBuffer) -> dict[str, Any]:
+    async def _average(self, request: AverageRequest, buffer: SharedBuffer
+                       ) -> wire.AverageReply:
         result = await self.node.average(request, buffer.view())
         rounds = result.rounds
-        return {"group_size": max(result.last.group_size, 1),
-                "seconds": sum(r.seconds for r in rounds),
-                "matchmaking_seconds": sum(r.matchmaking_seconds for r in rounds),
-                "bytes_sent": sum(r.bytes_sent for r in rounds),
-                "bytes_received": sum(r.bytes_received for r in rounds),
-                "round": result.last_round, "coords": result.coords,
-                "group_sizes": [max(r.group_size, 1) for r in rounds],
-                "spans": [list(span) for span in result.spans],
-                "members": list(result.members), "owned": result.owned}
+        return wire.AverageReply(
+            group_size=max(result.last.group_size, 1),
+            seconds=sum(r.seconds for r in rounds),
+            matchmaking_seconds=sum(r.matchmaking_seconds for r in rounds),
+            bytes_sent=sum(r.bytes_sent for r in rounds),
+            bytes_received=sum(r.bytes_received for r in rounds),
+            round=result.last_round,
+            coords=None if result.coords is None else list(result.coords),
+            group_sizes=[max(r.group_size, 1) for r in rounds],
+            spans=[list(span) for span in result.spans],
+            members=list(result.members), owned=result.owned)
+
+    async def _peers(self) -> wire.PeersReply:
+        peers = await self.node.peers()
+        return wire.PeersReply(peers["contacts"], peers["runs"])
+
+    # --- live state for joiners (moshpitd/state.py) -------------------------------------
+    async def _publish(self, req: wire.PublishStateRequest) -> wire.PublishStateReply:
+        view = FlatView(self._buffer(req.OP, req.buffer).view(), _specs(req.OP, req.tensors))
+        data, packed = view.pack()
+        version = await self._store().publish(req.key, packed, req.meta, data, req.version)
+        return wire.PublishStateReply(version, len(data))
+
+    async def _state_info(self, req: wire.StateInfoRequest) -> wire.StateInfoReply:
+        _, info, holders = await self._store().header(req.key, self.node.pool, req.timeout,
+                                                      req.version)
+        return wire.StateInfoReply(holders[0].total, holders[0].version,
+                                   list(info.get("tensors", [])), dict(info.get("meta", {})),
+                                   len(holders))
+
+    async def _download(self, req: wire.DownloadStateRequest) -> wire.DownloadStateReply:
+        # one deadline, the request's, for finding a donor and downloading from it
+        deadline = time.monotonic() + req.timeout
+        buffer = self._buffer(req.OP, req.buffer)
+        store = self._store()
+        _, info, holders = await store.header(req.key, self.node.pool, req.timeout,
+                                              req.version)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise IPCError(ErrorCode.STATE_UNAVAILABLE, f"finding a donor of run {req.key!r} "
+                           f"took the whole timeout ({req.timeout:g} s)")
+        served_by = await store.download(req.key, info, holders, buffer.view(), self.node.pool,
+                                         remaining)
+        return wire.DownloadStateReply(holders[0].total, holders[0].version,
+                                       list(info.get("tensors", [])),
+                                       dict(info.get("meta", {})), len(holders), served_by)
+
+    def _store(self) -> StateStore:
+        store = self.node.states
+        if store is None:
+            raise IPCError(ErrorCode.STATE_UNAVAILABLE, "this daemon has not started yet")
+        return store
+
+
+def _specs(op: str, tensors: list[list[Any]]) -> tuple[TensorSpec, ...]:
+    try:
+        return specs_from_wire(tensors)
+    except (LayoutError, ValueError) as exc:
+        raise FieldError(op, "tensors", f"is malformed: {exc}") from None

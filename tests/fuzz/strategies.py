@@ -7,7 +7,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-MAX_FRAME = 1 << 20  # moshpitd/ipc/framing.py
+from moshpitd.ipc.schema import MAX_FRAME
+
 U64 = (1 << 64) - 1
 I64 = -(1 << 63)
 

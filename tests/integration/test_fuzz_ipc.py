@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from moshpitd.ipc.schema import IPC_PROTOCOL, ErrorCode
 from tests.fuzz.strategies import MAX_FRAME, either, floats, ints, texts, values
 from tests.fuzz.target import FUZZ, LURE_TENSORS, SESSION_END_TIMEOUT, Target, live_target
 
@@ -58,6 +59,7 @@ IPC_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "codec": either(st.sampled_from(["none", "fp16", "bf16", "int8", "gzip", ""])),
     "meta": either(st.dictionaries(st.text(max_size=8), values, max_size=4)),
     "version": either(ints, st.none()),
+    "protocol": either(st.sampled_from([IPC_PROTOCOL, 1, IPC_PROTOCOL + 1]), ints),
 }
 ops = st.one_of(st.sampled_from(OPS), st.sampled_from(OPS), st.sampled_from(OPS),
                 st.text(max_size=20), values)
@@ -86,7 +88,7 @@ def plausible_messages(draw: st.DrawFn) -> dict[str, Any]:
     timeout = draw(st.floats(0.01, 2.0))
     tensors = lay_out(draw(small_tensors))
     templates: dict[str, dict[str, Any]] = {
-        "hello": {}, "status": {}, "rounds": {}, "peers": {},
+        "hello": {"protocol": IPC_PROTOCOL}, "status": {}, "rounds": {}, "peers": {},
         "attach": {"size": draw(st.sampled_from([4096, 65536])), "buffer": 0},
         "average": {"key": key, "tensors": tensors, "timeout": timeout, "weight": 1.0,
                     "group_size": 2, "min_group_size": 2, "buffer": 0, "codec": "none"},
@@ -122,6 +124,10 @@ def pack(obj: Any) -> bytes:
         return b"\xc1"
 
 
+# a session starts with hello: most cases say it first, so that their requests get past it
+HELLO = frame(pack({"op": "hello", "id": 0, "protocol": IPC_PROTOCOL}))
+greeting = st.sampled_from([HELLO, HELLO, HELLO, b""])
+
 # msgpack the packer will not write: bombs, deep nesting, ext types, reserved bytes
 crafted_payloads = st.sampled_from([
     b"\xdd\xff\xff\xff\xff",                      # array of 2^32-1 items, none present
@@ -151,15 +157,17 @@ attach_frames = st.builds(
 framed = st.builds(lambda rest: b"".join(frame(p) for p in rest),
                    st.lists(payloads, min_size=1, max_size=3))
 # a trainer that attaches a memfd first, then asks for things
-with_buffer = st.tuples(st.builds(lambda a, rest: a + rest, attach_frames, framed), memfds)
+with_buffer = st.tuples(st.builds(lambda h, a, rest: h + a + rest, greeting, attach_frames,
+                                  framed), memfds)
 bogus_lengths = st.one_of(st.sampled_from([0, 1, MAX_FRAME, MAX_FRAME + 1, (1 << 32) - 1,
                                            1 << 31]), st.integers(0, (1 << 32) - 1))
 bodies = st.one_of(payloads, st.binary(max_size=256), st.builds(
     bytes, st.sampled_from([MAX_FRAME - 1, MAX_FRAME, MAX_FRAME + 1, 70_000])))
 bogus = st.builds(lambda n, body: n.to_bytes(4, "big") + body, bogus_lengths, bodies)
-no_fd = st.one_of(st.binary(min_size=1, max_size=2048), framed, framed, bogus,
-                 st.binary(min_size=1, max_size=3),  # a partial length prefix
-                 st.builds(lambda a, b: a + b, framed, bogus))
+no_fd = st.builds(lambda h, rest: h + rest, greeting, st.one_of(
+    st.binary(min_size=1, max_size=2048), framed, framed, bogus,
+    st.binary(min_size=1, max_size=3),  # a partial length prefix
+    st.builds(lambda a, b: a + b, framed, bogus)))
 ipc_cases = st.one_of(st.tuples(no_fd, st.none()), st.tuples(no_fd, st.none()), with_buffer,
                       st.tuples(no_fd, memfds))  # a descriptor nobody asked for
 
@@ -186,7 +194,8 @@ def parse_ipc_replies(data: bytes) -> list[dict[str, Any]]:
         if not reply["ok"]:
             assert isinstance(reply.get("error"), str), reply
             assert isinstance(reply.get("message"), str), reply
-            assert reply["error"] != "InternalError", f"daemon error: {reply}"
+            assert reply["error"] in set(ErrorCode), reply
+            assert reply["error"] != ErrorCode.INTERNAL_ERROR, f"daemon error: {reply}"
         out.append(reply)
     return out
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import moshpit
+from moshpitd.ipc.schema import IPC_PROTOCOL
 from moshpitd.launcher import LocalSwarm
 from tests.integration.helpers import active_keys, run_parallel, wait_until
 
@@ -28,10 +29,16 @@ def frame(obj: Any) -> bytes:
 
 
 class RawConn:
-    def __init__(self, path: str) -> None:
+    """A trainer speaking raw frames, after the hello every session starts with."""
+
+    def __init__(self, path: str, hello: bool = True) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         self.sock.connect(path)
+        if hello:
+            self.send(frame({"op": "hello", "id": 0, "protocol": IPC_PROTOCOL}))
+            reply = self.reply()
+            assert reply is not None and reply["ok"] and reply["protocol"] == IPC_PROTOCOL
 
     def send(self, data: bytes, fd: int | None = None) -> None:
         if fd is None:
@@ -82,7 +89,7 @@ def assert_error_then_usable(conn: RawConn, substring: str) -> None:
     reply = conn.reply()
     assert reply is not None and reply["ok"] is False, reply
     assert substring in reply["message"], reply
-    conn.send(frame({"op": "hello", "id": 99}))
+    conn.send(frame({"op": "hello", "id": 99, "protocol": IPC_PROTOCOL}))
     hello = conn.reply()
     assert hello is not None and hello["ok"] and hello["id"] == 99
 

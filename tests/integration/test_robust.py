@@ -31,6 +31,7 @@ import torch
 
 import moshpit
 from moshpitd.allreduce.layout import TensorSpec, plan_parts, runs_of
+from moshpitd.ipc.schema import AverageRequest
 from moshpitd.launcher import LocalSwarm
 from tests.integration.helpers import run_parallel
 
@@ -154,7 +155,7 @@ def test_unknown_aggregation_is_refused_on_both_sides(clients: list[moshpit.Clie
     with pytest.raises(ValueError, match="trimmed_mean"):
         clients[0].average([torch.ones(4)], key="robust-bad", aggregation="median")
     client = clients[0]  # past the client's own check, straight to the daemon
-    with pytest.raises(moshpit.InvalidRequest, match="aggregation 'median'"):
-        client._request({"op": "average", "key": "robust-bad", "buffer": 0,
-                         "tensors": [["float32", [4], 0]], "aggregation": "median"},
+    with pytest.raises(moshpit.InvalidRequest, match="'aggregation' is 'median'"):
+        client._request(AverageRequest(key="robust-bad", buffer=0,
+                                       tensors=[["float32", [4], 0]], aggregation="median"),
                         timeout=10)

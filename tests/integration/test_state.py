@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moshpit
+from moshpitd.ipc.schema import Message
 from moshpitd.launcher import LocalSwarm
 
 
@@ -94,8 +95,8 @@ def test_donors_publishing_again_do_not_break_a_download(
     late = threading.Timer(0.05, publish, (3,))
 
     class Joiner(moshpit.Client):
-        def _request(self, msg: dict[str, Any], timeout: float, **kw: Any) -> dict[str, Any]:
-            if msg.get("op") == "download_state":
+        def _request(self, msg: Message, timeout: float, **kw: Any) -> dict[str, Any]:
+            if msg.OP == "download_state":
                 publish(2)  # between learning the version and downloading it
                 late.start()  # and (likely) during the download
             return super()._request(msg, timeout, **kw)
