@@ -19,10 +19,10 @@ from typing import Any
 from bench.cli import exit_on_sigterm, positive, print_columns
 from bench.procs import BenchError
 from bench.runners import Samples, merge, run_gloo, run_moshpit
+from moshpitd.ipc.schema import AGGREGATIONS
 
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 CODECS = ("none", "fp16", "bf16", "int8")
-AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
 
 
 def parse_elems(text: str) -> int:
