@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from moshpit.client import Client, RoundInfo
-from moshpit.error_feedback import ErrorFeedback
+from moshpit.error_feedback import ErrorFeedback, wire_values
 from moshpit.errors import MoshpitError
 from moshpit.fragments import FragmentSchedule, split_fragments
 from moshpit.trainer_state import WIRE_DTYPES
+from moshpitd.allreduce.codecs import get_codec
 
 log = logging.getLogger("moshpit.optimizer")
 
@@ -102,6 +103,7 @@ class OuterLoop:
         rebind(outer, self.params, self.global_params)
         self.outer = outer
         self.feedback = ErrorFeedback(config.codec) if config.feedback else None
+        self.codec = get_codec(config.codec)
         self.key, self.grid = key, grid
         self.submit, self.failed, self.succeeded = submit, failed, succeeded
         self.samples = 0  # seen in all
@@ -169,6 +171,11 @@ class OuterLoop:
         except MoshpitError as exc:
             self.failed(exc, f"outer round of {what} failed, keeping the global copy")
             return False
+        if self.codec.name != "none":
+            # The owner of a span keeps its exact mean; the others receive it compressed.
+            # Compressed once more here (the codecs are idempotent), it is the same on every
+            # member, so the global copies do not drift apart.
+            out = wire_values(out, self.codec)
         mix = self.config.mix
         with torch.no_grad():
             for g in self.global_params:
