@@ -109,3 +109,32 @@ def test_streaming_fragments_with_int4_and_error_feedback(
         if isinstance(opt, moshpit.Optimizer):
             opt.close()
     client.close()
+
+
+def test_joiner_downloads_the_global_copy_and_outer_state(
+        swarm_factory: Callable[..., LocalSwarm]) -> None:
+    """Two trainers sync twice and publish; a third, started from other weights, loads the
+    global copy and the outer momentum from their daemons and resumes at their step."""
+    swarm = swarm_factory(3)
+    opts = run_parallel([lambda r=r: trainer(swarm.sockets[r], r, 4, 1, key="join",
+                                             average_every=2, group_size=2, min_group_size=2)
+                         for r in range(2)], timeout=180)
+    donor = opts[0]
+    assert isinstance(donor, moshpit.Optimizer) and donor.diloco is not None, donor
+    assert donor.rounds_done == 2, donor.last_error
+    torch.manual_seed(99)
+    ps = [nn.Parameter(torch.randn(s)) for s in SHAPES]
+    joiner = moshpit.Optimizer(torch.optim.SGD(ps, lr=LR_INNER), client=swarm.sockets[2],
+                               key="join", average_every=2,
+                               outer_optimizer=torch.optim.SGD(ps, lr=0.7, momentum=0.9,
+                                                               nesterov=True))
+    assert joiner.load_state_from_peers(timeout=30) == 4
+    assert joiner.diloco is not None
+    for g, want, p in zip(joiner.diloco.global_params, donor.diloco.global_params, ps,
+                          strict=True):
+        assert torch.equal(g.detach(), want.detach()) and torch.equal(p.detach(), g.detach())
+        assert torch.equal(joiner.diloco.outer.state[g]["momentum_buffer"],
+                           donor.diloco.outer.state[want]["momentum_buffer"])
+    for opt in [*opts, joiner]:
+        if isinstance(opt, moshpit.Optimizer):
+            opt.close()

@@ -278,3 +278,19 @@ def test_bad_options_are_refused() -> None:
             make(model, fake, average_every=4, **kwargs)
     with pytest.raises(ValueError, match="need outer_optimizer"):
         moshpit.Optimizer(inner, client=fake, key="k", fragments=2)
+
+
+def test_sync_is_one_outer_step_of_every_fragment() -> None:
+    model = model4()
+    fake = FakeClient(result=lambda ts: [t * 0 + 0.5 for t in ts])
+    opt = make(model, fake, average_every=8, fragments=2, delay=1)
+    for _ in range(5):
+        constant_step(model, opt)  # fragment 1 synced at step 4: its round lands at step 5
+    assert opt.sync(min_group_size=3, timeout=7.0)
+    call = fake.calls[-1]
+    assert call["key"] == "run/sync" and call["rounds"] == 1 and call["grid"] is None
+    assert call["min_group_size"] == 3 and call["timeout"] == 7.0
+    assert len(call["sent"]) == 4  # every parameter at once
+    assert opt.rounds_done == 2 and opt.diloco is not None and not opt.diloco.pending
+    for g, p in zip(opt.diloco.global_params, model.parameters(), strict=True):
+        assert torch.equal(p.detach(), g.detach())
