@@ -294,3 +294,24 @@ def test_sync_is_one_outer_step_of_every_fragment() -> None:
     assert opt.rounds_done == 2 and opt.diloco is not None and not opt.diloco.pending
     for g, p in zip(opt.diloco.global_params, model.parameters(), strict=True):
         assert torch.equal(p.detach(), g.detach())
+
+
+def test_grid_syncs_are_full_moshpit_all_reduces_at_one_cell() -> None:
+    """On a grid every sync chains d rounds (the exact mean on a full grid), and once a round
+    told us our cell, every fragment's run asks for that same cell."""
+    model = model4()
+
+    class GridClient(FakeClient):
+        def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
+                    **kwargs: Any) -> list[torch.Tensor]:
+            out = super().average(tensors, key, weight, **kwargs)
+            self.last_round = RoundInfo(2, 0.0, 0.0, 0, 0, round=0, coords=(1, 0))
+            return out
+
+    fake = GridClient()
+    opt = make(model, fake, average_every=4, fragments=2, grid=(3, 2))
+    for _ in range(8):
+        constant_step(model, opt)
+    assert [c["rounds"] for c in fake.calls] == [2, 2, 2, 2]
+    assert [c.get("initial_coords") for c in fake.calls] == [None, (1, 0), (1, 0), (1, 0)]
+    assert all(c["grid"] == (3, 2) for c in fake.calls)
