@@ -140,10 +140,10 @@ def _bf16_into(values: np.ndarray, out: np.ndarray) -> None:
     out[:] = rounded
 
 
-def _scaled_levels(pieces: Sequence[np.ndarray], n: int, block: int, levels: int,
-                   scales: np.ndarray) -> np.ndarray:
-    """The values gathered once into a padded float32 work array, divided by their block's
-    scale (max |x| / levels, written into `scales`) and rounded in place: levels as floats."""
+def _scaled(pieces: Sequence[np.ndarray], n: int, block: int, levels: int,
+            scales: np.ndarray) -> np.ndarray:
+    """The values gathered once into a padded float32 work array and divided in place by
+    their block's scale (max |x| / levels, written into `scales`): levels, not yet rounded."""
     blocks = scales.size
     work = np.empty(blocks * block, dtype=np.float32)
     for pos, piece in _placed(pieces):
@@ -155,7 +155,6 @@ def _scaled_levels(pieces: Sequence[np.ndarray], n: int, block: int, levels: int
     scales /= levels
     safe = np.where(scales > 0, scales, np.float32(1.0))
     shaped /= safe[:, None]
-    np.rint(work, out=work)
     return work
 
 
@@ -167,8 +166,8 @@ def _int4(pieces: Sequence[np.ndarray], n: int) -> np.ndarray:
     blocks = -(-n // INT4_BLOCK)
     out = np.empty(_SCALE * blocks + (n + 1) // 2, dtype=np.uint8)
     scales = out[:_SCALE * blocks].view(np.float32)
-    work = _scaled_levels(pieces, n, INT4_BLOCK, INT4_LEVELS, scales)
-    work += 8
+    work = _scaled(pieces, n, INT4_BLOCK, INT4_LEVELS, scales)
+    work += 8.5  # 8 + level, rounded (half up) by the cast's truncation: one pass, not two
     with np.errstate(invalid="ignore"):  # NaN levels of a non-finite block: any nibble will do
         nibbles = work.astype(np.uint8)
     nibbles &= 15
@@ -195,7 +194,8 @@ def _int8(pieces: Sequence[np.ndarray], n: int) -> np.ndarray:
     blocks = -(-n // INT8_BLOCK)
     out = np.empty(_SCALE * blocks + n, dtype=np.uint8)
     scales = out[:_SCALE * blocks].view(np.float32)
-    work = _scaled_levels(pieces, n, INT8_BLOCK, 127, scales)
+    work = _scaled(pieces, n, INT8_BLOCK, 127, scales)
+    np.rint(work, out=work)
     out[_SCALE * blocks:].view(np.int8)[:] = work[:n]
     return out
 
