@@ -3,7 +3,7 @@ GradScaler and training loops read and write the wrapped optimizer through these
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -29,7 +29,7 @@ class WrappedOptimizer:
     def close(self) -> None:
         """Subclasses finish their rounds and let go of their daemon."""
 
-    def __enter__(self) -> WrappedOptimizer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
