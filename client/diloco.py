@@ -110,11 +110,21 @@ class OuterLoop:
         self.synced = [0] * config.fragments  # `samples` at each fragment's last sync
         self.coords: tuple[int, ...] | None = None  # every fragment's run at the same cell
         self.pending: dict[int, PendingSync] = {}
+        self.started = False  # the global copy is taken again just before the first step
 
     def key_of(self, fragment: int) -> str:
         return self.key if self.config.fragments == 1 else f"{self.key}/f{fragment}"
 
     # --- the schedule -----------------------------------------------------------------------
+    def before_step(self) -> None:
+        """The global copy starts from the weights the first step starts from: weights loaded
+        after the optimizer was built (a checkpoint, say) are not taken for local progress."""
+        if not self.started:
+            self.started = True
+            with torch.no_grad():
+                for g, p in zip(self.global_params, self.params, strict=True):
+                    g.copy_(p.detach().to(device="cpu", dtype=g.dtype))
+
     def after_step(self, step: int, batch_size: int) -> None:
         """Applies the updates due at `step`, then starts the syncs due at it."""
         self.samples += batch_size
@@ -210,6 +220,7 @@ class OuterLoop:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending.clear()
+        self.started = True
         with torch.no_grad():
             for g, v in zip(self.global_params, state["global"], strict=True):
                 g.copy_(v)
@@ -256,5 +267,6 @@ class OuterLoop:
             for p, g in zip(self.params, self.global_params, strict=True):
                 p.copy_(g)
         self.pending.clear()
+        self.started = True
         self.synced = [self.samples] * self.config.fragments
         return int(meta.get("local_step", 0))

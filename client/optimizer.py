@@ -17,14 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 from torch import nn
 
 from moshpit.client import Client, RoundInfo, check_aggregation
-from moshpit.diloco import OuterConfig, OuterLoop
+from moshpit.diloco import OuterConfig, OuterLoop, RoundFuture
 from moshpit.errors import DaemonUnavailable, MoshpitError
 from moshpit.link import DaemonLink, in_background
 from moshpit.trainer_state import (
@@ -113,6 +112,8 @@ class Optimizer(WrappedOptimizer):
     # --- the training loop ------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None, batch_size: int = 1) -> Any:
         """One local step on `batch_size` samples; averages when it is time to."""
+        if self.diloco is not None:
+            self.diloco.before_step()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.local_step += 1
         self._samples += int(batch_size)
@@ -308,8 +309,7 @@ class Optimizer(WrappedOptimizer):
         self._pending = PendingRound(future, names, snapshot, samples)
 
     def _submit(self, key: str, tensors: list[torch.Tensor], samples: int,
-                overrides: dict[str, Any]) -> Future[tuple[list[torch.Tensor],
-                                                            RoundInfo | None]] | None:
+                overrides: dict[str, Any]) -> RoundFuture | None:
         """A DiLoCo round in the background on copies of `tensors` (None: no daemon)."""
         if not self._connect():
             return None

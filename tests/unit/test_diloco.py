@@ -315,3 +315,15 @@ def test_grid_syncs_are_full_moshpit_all_reduces_at_one_cell() -> None:
     assert [c["rounds"] for c in fake.calls] == [2, 2, 2, 2]
     assert [c.get("initial_coords") for c in fake.calls] == [None, (1, 0), (1, 0), (1, 0)]
     assert all(c["grid"] == (3, 2) for c in fake.calls)
+
+
+def test_weights_loaded_after_building_the_optimizer_start_the_global_copy() -> None:
+    model, fake = model4(), FakeClient()
+    opt = make(model, fake, average_every=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)  # a checkpoint loaded after the optimizer was built
+    for _ in range(2):
+        constant_step(model, opt)
+    for sent in fake.calls[0]["sent"]:  # two steps of lr 0.1, gradient 1: not 3 - init
+        torch.testing.assert_close(sent, torch.full_like(sent, 0.2), rtol=0, atol=1e-12)
