@@ -19,10 +19,11 @@ from typing import Any
 from bench.cli import exit_on_sigterm, positive, print_columns
 from bench.procs import BenchError
 from bench.runners import Samples, merge, run_gloo, run_moshpit
+from moshpitd.allreduce.codecs import CODECS as CODEC_TABLE
 from moshpitd.ipc.schema import AGGREGATIONS
 
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-CODECS = ("none", "fp16", "bf16", "int8")
+CODECS = tuple(CODEC_TABLE)
 
 
 def parse_elems(text: str) -> int:
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 elements; K/M/G suffixes are binary, M = 1024*1024 "
                         "(default 8M = 8388608)")
     p.add_argument("--codec", default="none",
-                   help="wire codec for moshpit: none, fp16, bf16, int8 (default none)")
+                   help="wire codec for moshpit: none, fp16, bf16, int8, int4 (default none)")
     p.add_argument("--aggregation", choices=AGGREGATIONS, default="mean",
                    help="how moshpit groups combine values (default mean; gloo always averages)")
     p.add_argument("--ipc", choices=["shared", "copy"], default="shared",

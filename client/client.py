@@ -137,7 +137,7 @@ class Client:
         With grid=(M, d), `key` names a run on the Moshpit grid: each call averages with this
         round's line of the grid (groups of up to M), and `rounds=k` chains k rounds, carrying
         weights as mass, so d rounds on a full grid give the exact weighted global mean.
-        `codec` (none, fp16, bf16, int8) compresses parts on the wire; peers must agree.
+        `codec` (none, fp16, bf16, int8, int4) compresses parts on the wire; peers must agree.
         `aggregation` (mean, trimmed_mean, centered_clip) is how the group combines values:
         the robust ones bound what a minority of bad peers can do; peers must agree.
         Returns new tensors (same shapes, dtypes, devices) and leaves the inputs untouched,

@@ -7,22 +7,25 @@ round. Best-effort: a failed round keeps the local values and training goes on.
 With overlap=True the round averages a snapshot in a background thread while local steps go
 on; p += averaged - snapshot is applied on the training thread, inside step(), only once the
 round has returned completely: a buffer the daemon is still writing is never read.
+
+With `outer_optimizer` it runs DiLoCo instead (client/diloco.py): every `average_every` = H
+steps the pseudo-gradients are averaged and the outer optimizer steps a global copy on the CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 from torch import nn
 
 from moshpit.client import Client, RoundInfo, check_aggregation
+from moshpit.diloco import OuterConfig, OuterLoop, RoundFuture
 from moshpit.errors import DaemonUnavailable, MoshpitError
+from moshpit.link import DaemonLink, in_background
 from moshpit.trainer_state import (
     AveragingClient,
     PendingRound,
@@ -33,11 +36,12 @@ from moshpit.trainer_state import (
     stays_non_negative,
     wire_dtype,
 )
+from moshpit.wrapped import WrappedOptimizer
 
 log = logging.getLogger(__name__)
 
 
-class Optimizer:
+class Optimizer(WrappedOptimizer):
     """Wraps a torch optimizer; step() takes a local step and averages every few steps.
 
     What is averaged is named in moshpit.trainer_state (step counters stay local). The list is
@@ -49,6 +53,9 @@ class Optimizer:
     opens a new connection to the same socket (a fresh Client replaces `opt.client`).
     `grid`, `group_size`, `min_group_size`, `timeout`, `codec`, `initial_coords`,
     `aggregation` go to Client.average as they are.
+
+    DiLoCo: `outer_optimizer` (any torch optimizer over the same parameters), `fragments`,
+    `delay`, `mix`, `error_feedback` (default: on for int8 and int4); see client/diloco.py.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, client: AveragingClient | str,
@@ -57,9 +64,23 @@ class Optimizer:
                  model: nn.Module | None = None, overlap: bool = False, timeout: float = 30.0,
                  codec: str = "none", initial_coords: Sequence[int] | None = None,
                  share_memory: bool = True, publish_every: int = 1,
-                 aggregation: str = "mean") -> None:
+                 aggregation: str = "mean",
+                 outer_optimizer: torch.optim.Optimizer | None = None, fragments: int = 1,
+                 delay: int = 0, mix: float = 0.0, error_feedback: bool | None = None) -> None:
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, not {average_every}")
+        self.diloco: OuterLoop | None = None
+        if outer_optimizer is not None:
+            if overlap or average_state:
+                raise ValueError("overlap and average_state are Moshpit SGD's: with an outer "
+                                 "optimizer, use delay= to overlap rounds with inner steps")
+            self.diloco = OuterLoop(optimizer, outer_optimizer,
+                                    OuterConfig(average_every, fragments, delay, mix, codec,
+                                                error_feedback), key, grid,
+                                    submit=self._submit, failed=self._failed,
+                                    succeeded=self._succeeded)
+        elif (fragments, delay, mix, error_feedback) != (1, 0, 0.0, None):
+            raise ValueError("fragments, delay, mix and error_feedback need outer_optimizer")
         self.aggregation = check_aggregation(aggregation)
         self.optimizer = optimizer
         self.key, self.average_every, self.grid = key, average_every, grid
@@ -69,15 +90,7 @@ class Optimizer:
         self.initial_coords = None if initial_coords is None else tuple(initial_coords)
         self.share_memory = share_memory
         self.publish_every = publish_every  # rounds between state snapshots for joiners (0: off)
-        # A socket path: connect now if we can, else at the first round (never fail training).
-        self._socket_path: str | None = None
-        if isinstance(client, str):
-            self._socket_path = client
-        elif isinstance(client, Client):
-            self._socket_path = client.socket_path
-        self._owns_client = isinstance(client, str)
-        self.client: AveragingClient | None = None if isinstance(client, str) else client
-        self._reconnect = isinstance(client, str)
+        self.link = DaemonLink(client, key)  # a socket path: connected now if it can be
 
         self.local_step = 0
         self.rounds_done = 0
@@ -88,33 +101,32 @@ class Optimizer:
         self._since_round = 0  # local steps since the last round was started
 
         self._names: list[str] | None = None  # the averaged list, frozen after the first step
-        self._wire: list[torch.Tensor] | None = None  # buffers handed to the client
+        self._wire: dict[str, list[torch.Tensor]] = {}  # buffers handed to the client, by key
         self._pending: PendingRound | None = None
         self._warned_new: set[str] = set()
-        if isinstance(client, str):
-            try:
-                self.client = Client(client)
-                self._reconnect = False
-            except MoshpitError as exc:  # not a round yet: just say so, retry at the first one
-                log.warning("moshpit %s: cannot reach the daemon yet: %s", key, exc)
+
+    @property
+    def client(self) -> AveragingClient | None:
+        return self.link.client
 
     # --- the training loop ------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None, batch_size: int = 1) -> Any:
         """One local step on `batch_size` samples; averages when it is time to."""
+        if self.diloco is not None:
+            self.diloco.before_step()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.local_step += 1
         self._samples += int(batch_size)
         self._since_round += 1
-        if self.overlap:
+        if self.diloco is not None:
+            self.diloco.after_step(self.local_step, int(batch_size))
+        elif self.overlap:
             self._poll()
             if self._pending is None and self._since_round >= self.average_every:
                 self._launch()
         elif self._since_round >= self.average_every:
             self._average_blocking()
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def sync(self, min_group_size: int | None = None, timeout: float | None = None) -> bool:
         """Average now, blocking: a collective point every peer calls (e.g. with
@@ -123,18 +135,23 @@ class Optimizer:
         It averages under its own key (`key + "/sync"`) without the grid, so it never pairs with
         a peer's regular round, whose tensor list may differ (no optimizer state before the
         first step) and whose timing does not line up. In overlap mode the round in flight is
-        finished and applied first."""
+        finished and applied first. With an outer optimizer: an outer step of every fragment
+        at once (pseudo-gradients since each one's last sync)."""
         self.finish()
         group = max(self.group_size, min_group_size or 0)
         # A peer still in its last regular round (its partners already left for the sync)
         # reaches the sync only when that round times out: wait long enough to include it.
-        return self._average_blocking(dict(key=f"{self.key}/sync", grid=None,
-                                           initial_coords=None, group_size=group,
-                                           min_group_size=min_group_size or self.min_group_size,
-                                           timeout=timeout or 2 * self.timeout + 5.0))
+        args = dict(key=f"{self.key}/sync", grid=None, initial_coords=None, group_size=group,
+                    min_group_size=min_group_size or self.min_group_size,
+                    timeout=timeout or 2 * self.timeout + 5.0)
+        if self.diloco is not None:
+            return self.diloco.sync_all({**args, "rounds": 1})
+        return self._average_blocking(args)
 
     def finish(self) -> None:
-        """Wait for the round in flight (overlap mode) and apply it."""
+        """Wait for the rounds in flight (overlap mode, DiLoCo's delay) and apply them."""
+        if self.diloco is not None:
+            self.diloco.finish()
         if self._pending is not None:
             with contextlib.suppress(Exception):
                 self._pending.future.exception()  # waits; errors are handled by _poll
@@ -143,27 +160,7 @@ class Optimizer:
     def close(self) -> None:
         """Finish the round in flight; close the client if this optimizer opened it."""
         self.finish()
-        if self._owns_client and isinstance(self.client, Client):
-            self.client.close()
-        self.client = None
-
-    def __enter__(self) -> Optimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
+        self.link.close()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Changes what is averaged: every peer must add the same group at the same step."""
@@ -172,10 +169,13 @@ class Optimizer:
         self._reset_layout()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "moshpit": {
+        out = {"optimizer": self.optimizer.state_dict(), "moshpit": {
             "local_step": self.local_step, "rounds_done": self.rounds_done,
             "failed_rounds": self.failed_rounds, "samples": self._samples,
             "since_round": self._since_round}}
+        if self.diloco is not None:
+            out["outer"] = self.diloco.state_dict()
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes what state_dict() returned, or a plain state dict of the wrapped optimizer."""
@@ -188,6 +188,8 @@ class Optimizer:
             self.failed_rounds = int(counters["failed_rounds"])
             self._samples = int(counters["samples"])
             self._since_round = int(counters["since_round"])
+            if self.diloco is not None and "outer" in state_dict:
+                self.diloco.load_state_dict(state_dict["outer"])
         else:
             self.optimizer.load_state_dict(state_dict)
         self._reset_layout()
@@ -216,9 +218,9 @@ class Optimizer:
             log.warning("%s appeared after the averaged list was fixed: it stays local", n)
         return self._names, [found[n] for n in self._names]
 
-    def _wire_buffers(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _wire_buffers(self, tensors: list[torch.Tensor], key: str = "") -> list[torch.Tensor]:
         """CPU tensors handed to the client; shared with the daemon when it can, reused."""
-        wire = self._wire
+        wire = self._wire.get(key)
         if wire is None or len(wire) != len(tensors) or any(
                 w.shape != t.shape or w.dtype != wire_dtype(t)
                 for w, t in zip(wire, tensors, strict=True)):
@@ -229,7 +231,7 @@ class Optimizer:
                     wire = list(self.client.share(blank))
                 except (AttributeError, NotImplementedError):
                     wire = blank
-            self._wire = wire
+            self._wire[key] = wire
         return wire
 
     def _drop_pending(self) -> None:
@@ -240,28 +242,18 @@ class Optimizer:
 
     def _reset_layout(self) -> None:
         self._names = None
-        self._wire = None
+        self._wire = {}
 
     # --- rounds -----------------------------------------------------------------------------
     def _connect(self) -> bool:
         """Opens a fresh connection after the daemon went away (or was never reached)."""
-        if not self._reconnect:
-            return self.client is not None
-        if self._socket_path is None:  # not ours to reopen (a fake client): just retry it
-            self._reconnect = False
-            return self.client is not None
-        old = self.client
         try:
-            self.client = Client(self._socket_path)
+            if self.link.connect():
+                self._wire = {}  # shared memory belongs to the old connection
         except MoshpitError as exc:
             self._failed(exc, "cannot reach the daemon")
             return False
-        if isinstance(old, Client):
-            old.close()
-        self._owns_client = True
-        self._reconnect = False
-        self._wire = None  # shared memory belongs to the old connection
-        return True
+        return self.client is not None
 
     def _average_blocking(self, overrides: dict[str, Any] | None = None) -> bool:
         self._since_round = 0
@@ -312,17 +304,21 @@ class Optimizer:
             snapshot = [t.detach().clone() for t in tensors]
             for w, s in zip(wire, snapshot, strict=True):
                 w.copy_(s)
-        future: Future[tuple[list[torch.Tensor], RoundInfo | None]] = Future()
         samples = self._samples
-
-        def run() -> None:
-            try:
-                future.set_result(self._call(wire, samples))
-            except BaseException as exc:  # handed to the training thread by _poll
-                future.set_exception(exc)
-
+        future = in_background(lambda: self._call(wire, samples), f"moshpit-average-{self.key}")
         self._pending = PendingRound(future, names, snapshot, samples)
-        threading.Thread(target=run, name=f"moshpit-average-{self.key}", daemon=True).start()
+
+    def _submit(self, key: str, tensors: list[torch.Tensor], samples: int,
+                overrides: dict[str, Any]) -> RoundFuture | None:
+        """A DiLoCo round in the background on copies of `tensors` (None: no daemon)."""
+        if not self._connect():
+            return None
+        wire = self._wire_buffers(tensors, key)
+        with torch.no_grad():
+            for w, t in zip(wire, tensors, strict=True):
+                w.copy_(t)
+        return in_background(lambda: self._call(wire, samples, {**overrides, "key": key}),
+                             f"moshpit-average-{key}")
 
     def _poll(self) -> None:
         """Applies the background round if it has returned; on the training thread only."""
@@ -367,8 +363,11 @@ class Optimizer:
         if self.client is None or not hasattr(self.client, "publish_state"):
             return False
         try:
-            publish(self.client, self.state_key, self.optimizer, self.model, self.local_step,
-                    self.timeout)
+            if self.diloco is not None:  # the global copy and the outer state
+                self.diloco.publish(self.client, self.state_key, self.local_step, self.timeout)
+            else:
+                publish(self.client, self.state_key, self.optimizer, self.model,
+                        self.local_step, self.timeout)
         except MoshpitError as exc:
             log.warning("moshpit %s: publishing state failed: %s", self.key, exc)
             return False
@@ -381,8 +380,11 @@ class Optimizer:
         moshpit.StateUnavailable if no peer answers within `timeout`."""
         if not self._connect() or not isinstance(self.client, Client):
             raise DaemonUnavailable("no daemon to download the state through")
-        self.local_step = download(self.client, self.state_key, self.optimizer, self.model,
-                                   timeout)
+        if self.diloco is not None:
+            self.local_step = self.diloco.download(self.client, self.state_key, timeout)
+        else:
+            self.local_step = download(self.client, self.state_key, self.optimizer,
+                                       self.model, timeout)
         self._since_round = self._samples = 0
         return self.local_step
 
@@ -390,8 +392,8 @@ class Optimizer:
         self.failed_rounds += 1
         self.last_error = exc
         if isinstance(exc, DaemonUnavailable):
-            self._reconnect = True  # the next round retries, on a new connection if we can
-            self._wire = None
+            self.link.broken = True  # the next round retries, on a new connection if we can
+            self._wire = {}
         log.warning("moshpit %s: %s: %s", self.key, what, exc)
 
 

@@ -62,8 +62,8 @@ class Metrics:
         Info("moshpitd_build", "Build information", registry=r).info({
             "version": __version__, "python": platform.python_version(),
             "grpcio": grpc.__version__})
-        for result in ("ok", "partial", "alone", "matchmaking_failed", "allreduce_failed",
-                       "shutting_down"):
+        for result in ("ok", "partial", "alone", "skipped", "matchmaking_failed",
+                       "allreduce_failed", "shutting_down"):
             self.rounds.labels(result)  # every result present from the start, at 0
 
     def observe_round(self, codec: str, sent: int, received: int,

@@ -72,7 +72,7 @@ class RoundLog:
         self.metrics.rounds.labels(result).inc()
         self.metrics.round_duration.observe(now - start)
         self.metrics.observe_round(codec, sent, received, excluded)
-        if result in ("ok", "alone"):
+        if result in ("ok", "alone", "skipped"):  # skipped: the group's weights were all 0
             self.done += 1
         else:
             self.failed += 1

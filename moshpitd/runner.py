@@ -159,10 +159,14 @@ class RoundRunner:
         self.metrics.matchmaking_duration.observe(assembled - start)
         self.metrics.group_size.observe(len(group.members))
         n = len(group.members)
+        members = tuple(m.peer_id.hex() for m in group.members)
+        if sum(m.weight for m in group.members) <= 0:
+            # no weighted mean: every member sees the same weights and keeps its values alike
+            await _refuse_alone(view, codec)
+            rec = self.rounds.record(key, n, 0, 0, start, assembled, "skipped", codec)
+            total = sum(s.numel for s in view.specs)
+            return RoundOutcome(rec, group, ((0, total, 0),) if total else (), members)
         try:
-            if sum(m.weight for m in group.members) <= 0:
-                raise AllreduceError(f"every member of the group under {key!r} has weight 0: "
-                                     "there is no weighted mean")
             result = await self._allreduce(group, view, clock, request.aggregation)
         except BaseException:
             self.rounds.record(key, n, 0, 0, start, assembled, "allreduce_failed", codec)
@@ -171,8 +175,7 @@ class RoundRunner:
         rec = self.rounds.record(key, result.group_size, result.bytes_sent,
                                  result.bytes_received, start, assembled, outcome, group.codec,
                                  result.excluded_parts)
-        return RoundOutcome(rec, group, result.spans,
-                            tuple(m.peer_id.hex() for m in group.members), result.owned)
+        return RoundOutcome(rec, group, result.spans, members, result.owned)
 
     async def _find(self, key: str, request: AverageRequest, weight: float, clock: RoundClock,
                     expected: frozenset[bytes] | None, target: int, single_attempt: bool,

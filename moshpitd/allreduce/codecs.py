@@ -1,7 +1,14 @@
 """Wire codecs for parts: how a part's values are put on the wire and read back.
 
 `none` sends the values as they lie in memory (zero copy); the others trade accuracy for bytes:
-fp16 and bf16 halve float32, int8 quarters it with one float32 scale per block of 256 values.
+fp16 and bf16 halve float32, int8 quarters it with one float32 scale per block of 256 values,
+int4 sends 4.5 bits a value: one float32 scale per block of 64 values, then the 64 values as
+signed 4-bit levels -7..7 (scale = max |x| / 7), two to a byte.
+
+The block codecs (int8, int4) are deterministic functions of the values: a trainer that runs
+the same codec on its contribution knows exactly what the wire carried (error feedback,
+client/error_feedback.py). Their parts start on block boundaries of their run (layout.py), so a
+run encoded whole gives the same blocks as the round's parts. This module imports numpy only.
 
 A part may lie in several pieces of memory (it crosses tensors that are not adjacent): encoding
 takes the pieces and writes each once into the wire buffer, never a gathered copy first. Decoding
@@ -17,7 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 INT8_BLOCK = 256
-_SCALE = 4  # bytes of one int8 block's float32 scale
+INT4_BLOCK = 64
+INT4_LEVELS = 7  # |level| <= 7: 15 of the 16 nibble values (8 + level, so 1..15)
+_SCALE = 4  # bytes of one block's float32 scale
 
 
 class CodecError(ValueError):
@@ -28,11 +37,18 @@ class CodecError(ValueError):
 class Codec:
     name: str
 
+    @property
+    def block(self) -> int:
+        """Values per scale (1: no blocks). Parts start on multiples of it within their run."""
+        return {"int8": INT8_BLOCK, "int4": INT4_BLOCK}.get(self.name, 1)
+
     def encoded_size(self, n: int, dtype: np.dtype) -> int:
         if self.name == "none":
             return n * dtype.itemsize
         if self.name in ("fp16", "bf16"):
             return 2 * n
+        if self.name == "int4":
+            return _SCALE * -(-n // INT4_BLOCK) + (n + 1) // 2
         blocks = -(-n // INT8_BLOCK)
         return _SCALE * blocks + n
 
@@ -43,6 +59,9 @@ class Codec:
             return max(1, nbytes // dtype.itemsize)
         if self.name in ("fp16", "bf16"):
             return max(1, nbytes // 2)
+        if self.name == "int4":  # a partial block: its scale, then two values a byte
+            full, rest = divmod(nbytes, INT4_BLOCK // 2 + _SCALE)
+            return max(1, full * INT4_BLOCK + 2 * max(rest - _SCALE, 0))
         full, rest = divmod(nbytes, INT8_BLOCK + _SCALE)
         return max(1, full * INT8_BLOCK + max(rest - _SCALE, 0))
 
@@ -68,6 +87,8 @@ class Codec:
             for pos, piece in _placed(pieces):
                 _bf16_into(piece, bits[pos:pos + piece.size])
             return [bits.data.cast("B")]
+        if self.name == "int4":
+            return [_int4(pieces, n).data.cast("B")]
         return [_int8(pieces, n).data.cast("B")]
 
     def decode(self, payload: memoryview, n: int, dtype: np.dtype) -> np.ndarray:
@@ -81,17 +102,21 @@ class Codec:
         if self.name == "bf16":
             raw = np.frombuffer(payload, dtype=np.uint16)
             return np.left_shift(raw, 16, dtype=np.uint32).view(np.float32)
-        blocks = -(-n // INT8_BLOCK)
+        block = self.block
+        blocks = -(-n // block)
         scales = np.frombuffer(payload[:_SCALE * blocks], dtype=np.float32)
-        q = np.frombuffer(payload[_SCALE * blocks:], dtype=np.int8)
+        if self.name == "int4":
+            q = _int4_levels(np.frombuffer(payload[_SCALE * blocks:], dtype=np.uint8), n)
+        else:
+            q = np.frombuffer(payload[_SCALE * blocks:], dtype=np.int8)
         out = np.empty(n, dtype=np.float32)
-        full = n // INT8_BLOCK * INT8_BLOCK
+        full = n // block * block
         with np.errstate(all="ignore"):  # a liar's scale of Inf makes NaN: callers check
-            # int8 times its block's scale, cast inside the multiply: no float32 copy of q
-            np.multiply(q[:full].reshape(-1, INT8_BLOCK), scales[:full // INT8_BLOCK, None],
-                        out=out[:full].reshape(-1, INT8_BLOCK))
+            # each level times its block's scale, cast inside the multiply: no float32 copy
+            np.multiply(q[:full].reshape(-1, block), scales[:full // block, None],
+                        out=out[:full].reshape(-1, block))
             if full < n:
-                np.multiply(q[full:], scales[-1:], out=out[full:])  # an array, not a scalar:
+                np.multiply(q[full:n], scales[-1:], out=out[full:])  # an array, not a scalar:
                 # numpy 1.x would pick the float16 loop for a float32 scalar
         return out
 
@@ -115,28 +140,67 @@ def _bf16_into(values: np.ndarray, out: np.ndarray) -> None:
     out[:] = rounded
 
 
+def _scaled(pieces: Sequence[np.ndarray], n: int, block: int, levels: int,
+            scales: np.ndarray) -> np.ndarray:
+    """The values gathered once into a padded float32 work array and divided in place by
+    their block's scale (max |x| / levels, written into `scales`): levels, not yet rounded."""
+    blocks = scales.size
+    work = np.empty(blocks * block, dtype=np.float32)
+    for pos, piece in _placed(pieces):
+        work[pos:pos + piece.size] = piece
+    work[n:] = 0
+    shaped = work.reshape(blocks, block)
+    # max |x| per block from max and min: no |x| temporary of the whole part
+    np.maximum(shaped.max(axis=1), -shaped.min(axis=1), out=scales)
+    scales /= levels
+    safe = np.where(scales > 0, scales, np.float32(1.0))
+    shaped /= safe[:, None]
+    return work
+
+
+def _int4(pieces: Sequence[np.ndarray], n: int) -> np.ndarray:
+    """[float32 scale per block of 64][two levels a byte: value 2i in the low nibble of byte
+    i, 2i+1 in its high nibble, each stored as 8 + level]. An odd count leaves the last high
+    nibble 8 (level 0). A block with NaN or Inf gets a scale of NaN or Inf, so it decodes to
+    values that are not finite, as with int8 (the receivers' checks refuse them)."""
+    blocks = -(-n // INT4_BLOCK)
+    out = np.empty(_SCALE * blocks + (n + 1) // 2, dtype=np.uint8)
+    scales = out[:_SCALE * blocks].view(np.float32)
+    work = _scaled(pieces, n, INT4_BLOCK, INT4_LEVELS, scales)
+    work += 8.5  # 8 + level, rounded (half up) by the cast's truncation: one pass, not two
+    with np.errstate(invalid="ignore"):  # NaN levels of a non-finite block: any nibble will do
+        nibbles = work.astype(np.uint8)
+    nibbles &= 15
+    packed = out[_SCALE * blocks:]
+    half = packed.size
+    np.left_shift(nibbles[1:2 * half:2], 4, out=packed)
+    packed |= nibbles[0:2 * half:2]
+    return out
+
+
+def _int4_levels(packed: np.ndarray, n: int) -> np.ndarray:
+    """The signed levels -8..7 of n packed values (one int8 array, unpacked in place)."""
+    levels = np.empty(2 * packed.size, dtype=np.uint8)
+    np.bitwise_and(packed, 15, out=levels[0::2])
+    np.right_shift(packed, 4, out=levels[1::2])
+    signed = levels.view(np.int8)
+    signed -= 8
+    return signed[:n]
+
+
 def _int8(pieces: Sequence[np.ndarray], n: int) -> np.ndarray:
     """[float32 scale per block][int8 values], built in one output buffer: the values are
     gathered once into a padded work array that is then scaled and rounded in place."""
     blocks = -(-n // INT8_BLOCK)
     out = np.empty(_SCALE * blocks + n, dtype=np.uint8)
     scales = out[:_SCALE * blocks].view(np.float32)
-    work = np.empty(blocks * INT8_BLOCK, dtype=np.float32)
-    for pos, piece in _placed(pieces):
-        work[pos:pos + piece.size] = piece
-    work[n:] = 0
-    shaped = work.reshape(blocks, INT8_BLOCK)
-    # max |x| per block from max and min: no |x| temporary of the whole part
-    np.maximum(shaped.max(axis=1), -shaped.min(axis=1), out=scales)
-    scales /= 127.0
-    safe = np.where(scales > 0, scales, np.float32(1.0))
-    shaped /= safe[:, None]
+    work = _scaled(pieces, n, INT8_BLOCK, 127, scales)
     np.rint(work, out=work)
     out[_SCALE * blocks:].view(np.int8)[:] = work[:n]
     return out
 
 
-CODECS = {name: Codec(name) for name in ("none", "fp16", "bf16", "int8")}
+CODECS = {name: Codec(name) for name in ("none", "fp16", "bf16", "int8", "int4")}
 
 
 def get_codec(name: str) -> Codec:

@@ -130,6 +130,8 @@ def schema_hash(specs: Sequence[TensorSpec], codec: str = "none",
         fields.append(["part_bytes", part_bytes])
     if codec != "none":  # parts are sized by their encoded bytes (they used to be by raw bytes)
         fields.append(["wire_sized", 1])
+    if codec == "int8":  # parts start on block boundaries (they used not to)
+        fields.append(["block_aligned", 1])
     packed = msgpack.packb(fields)
     return hashlib.sha256(packed).digest()[:16]
 
@@ -187,16 +189,23 @@ def plan_parts(runs: Sequence[Run], shares: Sequence[float],
                part_bytes: int = DEFAULT_PART_BYTES, codec: Codec = CODECS["none"]
                ) -> list[Part]:
     """Every (run, span) intersection cut into parts of at most part_bytes on the wire: a
-    codec that compresses gets parts with more values, so a part costs the same per frame."""
+    codec that compresses gets parts with more values, so a part costs the same per frame.
+    With a block codec (int8, int4) every part starts on a block boundary of its run (span
+    bounds move to the nearest one), so the run encoded whole has the round's blocks."""
     total = sum(r.numel for r in runs)
     bounds = span_bounds(total, shares)
+    block = codec.block
     parts: list[Part] = []
     run_start = 0
     for run_idx, run in enumerate(runs):
         step = codec.max_elements(part_bytes, np.dtype(run.dtype))
+        step = max(block, step // block * block)
         run_stop = run_start + run.numel
+        cuts = [b if b <= run_start or b >= run_stop else
+                min(run_start + (b - run_start + block // 2) // block * block, run_stop)
+                for b in bounds]
         for owner in range(len(shares)):
-            lo, hi = max(bounds[owner], run_start), min(bounds[owner + 1], run_stop)
+            lo, hi = max(cuts[owner], run_start), min(cuts[owner + 1], run_stop)
             for start in range(lo, hi, step):
                 stop = min(start + step, hi)
                 parts.append(Part(len(parts), run_idx, start - run_start, stop - run_start, owner))

@@ -320,10 +320,15 @@ def test_nan_zero_weights_and_duplicate_keys(swarm_factory: Callable[..., LocalS
     alone[2] = float("nan")
     with pytest.raises(moshpit.InvalidRequest, match="tensor 0 contains NaN or Inf"):
         a.average([alone], key="nan-alone", timeout=1)
-    results = run_parallel([lambda c=c: c.average([torch.ones(10)], key="zero", weight=0.0,
-                                                  timeout=10) for c in (a, b)])
-    for r in results:
-        assert isinstance(r, moshpit.AllreduceFailed) and "weight 0" in str(r), r
+    # a group whose weights are all 0 has no mean: every member keeps its own values
+    results = run_parallel([lambda c=c, v=v: c.average([torch.full((10,), v)], key="zero",
+                                                       weight=0.0, timeout=10)
+                            for c, v in ((a, 1.0), (b, 2.0))])
+    for r, v, c in zip(results, (1.0, 2.0), (a, b), strict=True):
+        assert isinstance(r, list) and torch.equal(r[0], torch.full((10,), v)), r
+        assert c.last_round is not None and c.last_round.group_size == 2
+        assert c.last_round.spans == ((0, 10, 0),) and not c.last_round.fully_averaged
+    assert [r["result"] for r in a.rounds()][-1] == "skipped"
     c2 = moshpit.Client(swarm.sockets[0])
 
     def second_while_the_first_matchmakes() -> object:
