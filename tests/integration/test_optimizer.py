@@ -154,7 +154,7 @@ def spawn(cfg: dict[str, Any]) -> subprocess.Popen[str]:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def collect(procs: list[subprocess.Popen[str]], timeout: float = 90.0) -> list[dict[str, Any]]:
+def collect(procs: list[subprocess.Popen[str]], timeout: float = 240.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     results = []
     try:
