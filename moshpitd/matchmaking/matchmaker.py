@@ -21,6 +21,7 @@ from grpc import aio
 
 from moshpitd.allreduce.group import Group
 from moshpitd.dht.network import DHTNode
+from moshpitd.matchmaking.declaration import MAX_TTL as DECLARATION_TTL
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.errors import (
     GroupNotFound,
@@ -195,7 +196,7 @@ class Matchmaker(Leading):
                 poll = min(poll * 1.5, MAX_POLL)
 
     async def _candidates(self) -> list[Candidate]:
-        subs = await self.dht.get_subs(self.req.key)
+        subs = await self.dht.get_subs(self.req.key, max_ttl=DECLARATION_TTL)
         now = time.monotonic()
         out = []
         self._declared_now = set()
