@@ -66,10 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"moshpitd: configuration error: {exc}", file=sys.stderr)
         return 2
     try:  # checking never creates the key; starting does, on first start
-        identity = (PeerKey.load(settings.peer_key_file)
-                    if not check_only or os.path.lexists(settings.peer_key_file) else None)
-        if identity is None and not check_only:
-            identity = PeerKey.load_or_create(settings.peer_key_file)
+        if not check_only:
+            identity: PeerKey | None = PeerKey.load_or_create(settings.peer_key_file)
+        elif os.path.lexists(settings.peer_key_file):
+            identity = PeerKey.load(settings.peer_key_file)
+        else:
+            identity = None
     except IdentityError as exc:
         print(f"moshpitd: peer key: {exc}", file=sys.stderr)
         return 2

@@ -102,10 +102,14 @@ class PeerKey:
         key = cls.generate()
         directory = os.path.dirname(os.path.abspath(path))
         try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
+            if not os.path.isdir(directory):
+                os.makedirs(directory, mode=0o700)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:  # another process made it first: that one is the identity
-            return cls.load(path)
+            if os.path.lexists(path):
+                return cls.load(path)
+            raise IdentityError(f"cannot create peer key file {path}: {directory} is not a "
+                                "directory (set peer_key_file to another path)") from None
         except OSError as exc:
             raise IdentityError(
                 f"cannot create peer key file {path}: {exc.strerror} (set peer_key_file to a "
