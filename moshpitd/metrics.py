@@ -125,6 +125,8 @@ class DHTStoreStats(Protocol):
 class RecordStats(Protocol):
     @property
     def refused(self) -> Mapping[str, int]: ...
+    @property
+    def verifications(self) -> int: ...
 
 
 class _DHTStoreCollector(Collector):
@@ -144,6 +146,9 @@ class _DHTStoreCollector(Collector):
         yield CounterMetricFamily("moshpitd_dht_records_evicted", "Live DHT records dropped "
                                   "to make room (least recently used keys first)",
                                   value=self.store.evicted)
+        yield CounterMetricFamily("moshpitd_dht_signatures_verified", "Ed25519 signatures of "
+                                  "DHT records checked (records verified before are not "
+                                  "checked again)", value=self.records.verifications)
 
 
 class _DHTCollector(Collector):

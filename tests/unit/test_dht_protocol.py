@@ -24,7 +24,14 @@ KEY = b"\x03" * 20
 ADDR = ("10.0.0.2", 4000)
 WRITER_A, WRITER_B = PeerKey.generate(), PeerKey.generate()
 A, B = WRITER_A.peer_id, WRITER_B.peer_id
-NOW = time.time_ns()  # record versions are writers' wall clocks in ns
+NOW = time.time_ns()  # record versions are writers' wall clocks in ns: set again per test
+
+
+@pytest.fixture(autouse=True)
+def _versions_from_now() -> None:
+    """Versions must lie within the clock window when a test runs, not when it was collected."""
+    global NOW
+    NOW = time.time_ns()
 
 
 def signed(writer: PeerKey, value: bytes, version: int, ttl: float, key: bytes = KEY

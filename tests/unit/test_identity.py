@@ -79,7 +79,7 @@ def test_links_and_unwritable_places_are_refused(tmp_path: Path) -> None:
         PeerKey.load_or_create(str(link))
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(IdentityError, match="cannot create peer key file .*set peer_key_file"):
+    with pytest.raises(IdentityError, match=r"cannot create peer key file .*set peer_key_file"):
         PeerKey.load_or_create(str(blocker / "peer.key"))
 
 
