@@ -235,8 +235,9 @@ class DHTNode(Server):
                         and not isinstance(ttl, bool)):
                     continue
                 held = merged.get(sk)
-                if held is not None and (held.version, held.ttl) >= (version, ttl):
-                    continue  # would not be merged: no need to check its signature
+                if held is not None and (held.version > version or (
+                        held.version == version and held.value == value)):
+                    continue  # older, or the record we hold as another replica sent it
                 proof = self.verifier.check(dkey, sk, value, version, float(ttl), wire, now)
                 if proof is None or (max_ttl is not None and proof.ttl > max_ttl):
                     continue
