@@ -273,7 +273,8 @@ def test_new_contacts_cost_little_cpu(swarm_factory: Callable[..., LocalSwarm]) 
         before = cpu_seconds(d0.proc.pid)
         for i in range(600):
             sock.sendto(b"\x00" + os.urandom(20) + umsgpack.packb(
-                ["store_sub", [os.urandom(20), os.urandom(20), b"w", b"v", 1, 600.0]]),
+                ["store_sub", [os.urandom(20), os.urandom(20), b"w", b"v", 1, 600.0,
+                               [600.0, os.urandom(32), os.urandom(64)]]]),
                 (host, int(port)))
             if i % 100 == 99:  # let it keep up: no datagram lost to a full socket buffer
                 msg_id = os.urandom(20)
