@@ -13,6 +13,7 @@ from typing import Any
 
 from moshpitd import __version__
 from moshpitd.config import ConfigError, Settings, add_flags, load
+from moshpitd.identity import IdentityError, PeerKey
 from moshpitd.logs import setup_logging
 from moshpitd.transport.security import load_secrets
 
@@ -64,10 +65,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"moshpitd: configuration error: {exc}", file=sys.stderr)
         return 2
+    try:  # checking never creates the key; starting does, on first start
+        if not check_only:
+            identity: PeerKey | None = PeerKey.load_or_create(settings.peer_key_file)
+        elif os.path.lexists(settings.peer_key_file):
+            identity = PeerKey.load(settings.peer_key_file)
+        else:
+            identity = None
+    except IdentityError as exc:
+        print(f"moshpitd: peer key: {exc}", file=sys.stderr)
+        return 2
     if check_only:
         print(json.dumps(settings.describe(), indent=2))
         if secrets[0] is not None:
             print(f"moshpitd: swarm key fingerprint {secrets[0].fingerprint}", file=sys.stderr)
+        if identity is not None:
+            print(f"moshpitd: peer id {identity.peer_id.hex()}", file=sys.stderr)
         print("moshpitd: configuration is valid", file=sys.stderr)
         return 0
     setup_logging(settings.log_level, settings.log_format)
@@ -78,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from moshpitd.service import serve  # the heavy imports only once settings are valid
 
     try:
-        return run(serve(settings, *secrets))
+        return run(serve(settings, *secrets, identity=identity))
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1

@@ -150,6 +150,15 @@ class Settings:
         "group. Make one with `openssl rand -hex 32 > swarm.key && chmod 600 swarm.key` and "
         "give every daemon of the swarm the same file; under systemd, pass it as a credential "
         "(see deploy/README.md). Clocks must agree within 30 s.")
+    peer_key_file: str = option(
+        Str("PATH"), "/var/lib/moshpitd/peer.key", SECURITY,
+        "this daemon's Ed25519 private key, its identity: the peer id is the hash of its public "
+        "key and every DHT record it writes is signed with it; created (mode 0600) on first "
+        "start",
+        note="Keep it across restarts and never share it between daemons: two daemons with one "
+        "key are one peer to the swarm. A file readable by others, or one that holds no Ed25519 "
+        "key, stops the daemon at start. The systemd unit's StateDirectory makes "
+        "/var/lib/moshpitd; elsewhere, choose a path the daemon's user may write.")
     tls_cert: str = option(
         Str("PATH"), "", SECURITY,
         "PEM certificate for mutual TLS on gRPC (matchmaking, state downloads, health); "
@@ -173,6 +182,14 @@ class Settings:
     dht_max_value_bytes: int = option(
         Int(64, 4096, unit="bytes"), 1024, LIMITS,
         "bytes of one DHT record's value (a record travels in one datagram)")
+    dht_max_records_per_peer: int = option(
+        Int(1, 1 << 20), 1024, LIMITS,
+        "DHT records one writer (one peer id) may have stored on this daemon, over all keys")
+    dht_max_bytes: int = option(
+        Int(64 << 10, 16 << 30, unit="bytes"), 64 << 20, LIMITS,
+        "memory this daemon's DHT store may hold, records and their bookkeeping counted",
+        note="When full, the keys least recently written or read are dropped first, so a flood "
+        "of new keys cannot lock new rounds out.")
     max_ipc_sessions: int = option(Int(1, 1 << 16), 64, LIMITS, "trainer connections at once")
     max_message_bytes: int = option(
         Int(1 << 16, 1 << 30, unit="bytes"), 64 << 20, LIMITS,

@@ -82,6 +82,7 @@ def start_daemon(name: str, workdir: Path, bootstrap: list[str] | None = None,
         "--metrics-listen", f"{host}:0",
         "--ipc-socket", str(workdir / f"{name}.sock"),
         "--ready-file", str(ready), "--log-level", log_level,
+        "--peer-key-file", str(workdir / f"{name}.peer.key"),  # its identity, kept over restarts
     ]
     if bootstrap:
         args += ["--bootstrap", ",".join(bootstrap)]

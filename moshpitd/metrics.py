@@ -6,6 +6,7 @@ import asyncio
 import logging
 import platform
 from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 import grpc
 from prometheus_client import (
@@ -82,6 +83,15 @@ class Metrics:
     def watch_auth(self, rejected: Callable[[], Mapping[str, int]]) -> None:
         self.registry.register(_AuthCollector(rejected))
 
+    def watch_dht_store(self, store: DHTStoreStats, records: RecordStats) -> None:
+        """The DHT store's size against its bounds, and the records it refused or dropped."""
+        Gauge("moshpitd_dht_stored_bytes", "Memory charged to the DHT store (values plus a "
+              "fixed cost per record and key), bounded by dht_max_bytes",
+              registry=self.registry).set_function(lambda: store.bytes_used)
+        Gauge("moshpitd_dht_stored_records", "Subkey records in the DHT store",
+              registry=self.registry).set_function(lambda: store.records)
+        self.registry.register(_DHTStoreCollector(store, records))
+
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
 
@@ -93,10 +103,52 @@ class _AuthCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily("moshpitd_auth_rejected", "Messages refused for a missing "
                                      "or bad swarm-key tag, a stale timestamp or a replay, by "
-                                     "plane", labels=["plane"])
+                                     "plane; dht_record: DHT records not signed by the peer "
+                                     "whose id is their subkey, or dated outside the clock "
+                                     "window", labels=["plane"])
         for plane, count in sorted(self.rejected().items()):
             family.add_metric([plane], count)
         yield family
+
+
+class DHTStoreStats(Protocol):
+    @property
+    def bytes_used(self) -> int: ...
+    @property
+    def records(self) -> int: ...
+    @property
+    def evicted(self) -> int: ...
+    @property
+    def refused_full(self) -> int: ...
+
+
+class RecordStats(Protocol):
+    @property
+    def refused(self) -> Mapping[str, int]: ...
+    @property
+    def verifications(self) -> int: ...
+
+
+class _DHTStoreCollector(Collector):
+    def __init__(self, store: DHTStoreStats, records: RecordStats) -> None:
+        self.store = store
+        self.records = records
+
+    def collect(self) -> Iterable[Metric]:
+        refused = CounterMetricFamily(
+            "moshpitd_dht_records_refused", "DHT records refused: unsigned, signed by another "
+            "key than the subkey's, a bad signature, a version outside the clock window, or "
+            "over a bound of the store (full)", labels=["reason"])
+        for reason, count in sorted({**self.records.refused,
+                                     "full": self.store.refused_full}.items()):
+            refused.add_metric([reason], count)
+        yield refused
+        yield CounterMetricFamily("moshpitd_dht_records_evicted", "Live DHT records dropped "
+                                  "to make room (least recently used keys first)",
+                                  value=self.store.evicted)
+        yield CounterMetricFamily("moshpitd_dht_signatures_verified", "Ed25519 signatures of "
+                                  "DHT records checked (records verified before are not "
+                                  "checked again)", value=self.records.verifications)
 
 
 class _DHTCollector(Collector):

@@ -55,8 +55,11 @@ class MoshpitNode:
         self.metrics = metrics or Metrics()
         security = Security(config.swarm_key, config.tls)
         self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout, auth=config.swarm_key,
+                           identity=config.identity,
                            storage=SubkeyStorage(max_subkeys=config.dht_max_records_per_key,
-                                                 max_value_bytes=config.dht_max_value_bytes))
+                                                 max_value_bytes=config.dht_max_value_bytes,
+                                                 max_bytes=config.dht_max_bytes,
+                                                 max_per_writer=config.dht_max_records_per_peer))
         self.pool = ChannelPool(config.max_message_bytes, security)
         self.server = AveragerServer(self._handle_join, self._handle_state,
                                      config.max_message_bytes, security)
@@ -65,7 +68,9 @@ class MoshpitNode:
         self.metrics.watch_auth(lambda: {
             "dht": self.dht.protocol.rpcs["received", "any", "unauthenticated"]
             if getattr(self.dht, "protocol", None) else 0,
-            "grpc": security.rejected, "data": self.registry.rejected})
+            "grpc": security.rejected, "data": self.registry.rejected,
+            "dht_record": sum(self.dht.verifier.refused.values())})
+        self.metrics.watch_dht_store(self.dht.storage, self.dht.verifier)
         self.hooks = hooks  # the fault tests' (service.py installs them)
         self.data_endpoint = ""
         self._active: dict[str, asyncio.Task[Any]] = {}  # key -> the request averaging it

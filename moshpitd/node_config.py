@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from moshpitd.auth import SwarmKey
 from moshpitd.config import OPTIONS, Settings
+from moshpitd.identity import PeerKey
 from moshpitd.option import format_hostport
 from moshpitd.transport.security import TLSFiles
 
@@ -23,10 +24,12 @@ class NodeConfig(Settings):
 
     swarm_key: SwarmKey | None = None  # seals DHT datagrams, gRPC messages, data-plane HELLOs
     tls: TLSFiles | None = None  # mutual TLS on gRPC
+    identity: PeerKey | None = None  # from peer_key_file; None: a key for this process only
 
     @classmethod
     def of(cls, settings: Settings, advertise_host: str, swarm_key: SwarmKey | None = None,
-           tls: TLSFiles | None = None) -> NodeConfig:
+           tls: TLSFiles | None = None, identity: PeerKey | None = None) -> NodeConfig:
         values = {o.key: getattr(settings, o.key) for o in OPTIONS}
         values["advertise_host"] = advertise_host
-        return cls(**values, swarm_key=swarm_key, tls=tls, sources=settings.sources)
+        return cls(**values, swarm_key=swarm_key, tls=tls, identity=identity,
+                   sources=settings.sources)

@@ -26,6 +26,7 @@ from moshpitd import __version__
 from moshpitd.auth import SwarmKey
 from moshpitd.config import Settings
 from moshpitd.hooks import NO_HOOKS, Hooks
+from moshpitd.identity import PeerKey
 from moshpitd.ipc.server import IPCServer
 from moshpitd.metrics import Metrics, MetricsServer
 from moshpitd.node import MoshpitNode, NodeConfig, format_hostport
@@ -88,8 +89,8 @@ def advertised_host(settings: Settings) -> str:
 
 
 async def serve(settings: Settings, swarm_key: SwarmKey | None = None,
-                tls: TLSFiles | None = None) -> int:
-    config = NodeConfig.of(settings, advertised_host(settings), swarm_key, tls)
+                tls: TLSFiles | None = None, identity: PeerKey | None = None) -> int:
+    config = NodeConfig.of(settings, advertised_host(settings), swarm_key, tls, identity)
     if swarm_key is not None:
         log.info("swarm key fingerprint %s: only daemons with the same key are peers",
                  swarm_key.fingerprint)

@@ -175,7 +175,7 @@ class StateStore:
     # --- downloading --------------------------------------------------------------------
     async def donors(self, key: str) -> list[Donor]:
         out = []
-        for pid, rec in (await self.dht.get_subs(f"{key}/donors")).items():
+        for pid, rec in (await self.dht.get_subs(f"{key}/donors", max_ttl=DONOR_TTL)).items():
             if pid == self.peer_id:
                 continue
             try:

@@ -18,7 +18,9 @@ from kademlia.utils import digest
 
 from moshpitd.auth import SwarmKey
 from moshpitd.dht.protocol import SubkeyProtocol
+from moshpitd.dht.records import RecordVerifier, remaining, sign
 from moshpitd.dht.storage import SubkeyStorage
+from moshpitd.identity import PeerKey
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +68,24 @@ class DHTNode(Server):
     storage: SubkeyStorage
 
     def __init__(
-        self, *, rpc_timeout: float, node_id: bytes | None = None, ksize: int = 20,
+        self, *, rpc_timeout: float, identity: PeerKey | None = None, ksize: int = 20,
         alpha: int = 3, storage: SubkeyStorage | None = None, auth: SwarmKey | None = None,
     ) -> None:
         """`rpc_timeout`: seconds each RPC waits for its answer (the option
-        dht_rpc_timeout; rpcudp's own default of 5 s is never used)."""
-        super().__init__(ksize=ksize, alpha=alpha, node_id=node_id,
+        dht_rpc_timeout; rpcudp's own default of 5 s is never used). `identity`: the peer
+        key whose id is our node id and which signs our records (a fresh one if None)."""
+        self.identity = identity or PeerKey.generate()
+        super().__init__(ksize=ksize, alpha=alpha, node_id=self.identity.peer_id,
                          storage=storage or SubkeyStorage())
         self.rpc_timeout = rpc_timeout
         self.auth = auth
+        self.verifier = RecordVerifier()
         self._last_version = 0
         self._nearest_cache: dict[bytes, tuple[float, list[Node]]] = {}
 
     def _create_protocol(self) -> SubkeyProtocol:
         return self.protocol_class(self.node, self.storage, self.ksize, self.rpc_timeout,
-                                   self.auth)
+                                   self.auth, self.verifier)
 
     @property
     def peer_id(self) -> bytes:
@@ -176,16 +181,22 @@ class DHTNode(Server):
 
     async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float,
                         version: int | None = None) -> int:
-        """Store on the k closest nodes and locally; returns how many copies were accepted."""
+        """Sign our record and store it on the k closest nodes and locally; returns how many
+        copies were accepted. Only our own subkey (our peer id) is ours to write."""
+        if subkey != self.peer_id:
+            raise DHTError(f"subkey {subkey.hex()} is not this daemon's peer id: a record is "
+                           "signed by its writer, so a daemon writes under its own id only")
         if len(value) > self.storage.max_value_bytes:
             raise DHTError(f"a record of {len(value)} bytes under {key!r} exceeds "
                            f"dht_max_value_bytes={self.storage.max_value_bytes}")
         dkey = digest(key)
         version = self.next_version() if version is None else version
-        stored = int(self.storage.store_sub(dkey, subkey, value, version, ttl))
+        proof = sign(self.identity, dkey, value, version, ttl)
+        stored = int(self.storage.store_sub(dkey, subkey, value, version, ttl, proof))
         nodes = await self._nearest(dkey)
         results = await self._quorum(
-            [self.protocol.call_store_sub(n, dkey, subkey, value, version, ttl) for n in nodes]
+            [self.protocol.call_store_sub(n, dkey, subkey, value, version, ttl, proof)
+             for n in nodes]
         )
         return stored + sum(1 for r in results if r)
 
@@ -195,25 +206,40 @@ class DHTNode(Server):
         when the withdrawal is decided if it may run after a newer declaration is made."""
         return await self.store_sub(key, subkey, b"", ttl, version)
 
-    async def get_subs(self, key: str) -> dict[bytes, SubRecord]:
-        """Ask every one of the k closest nodes and merge (highest version wins per subkey)."""
+    async def get_subs(self, key: str, max_ttl: float | None = None) -> dict[bytes, SubRecord]:
+        """Ask every one of the k closest nodes and merge (highest version wins per subkey).
+        Only records their writers signed are merged. `max_ttl`: the longest lifetime a
+        record of this kind has; one signed for longer (a version dated far back that would
+        still be alive) is ignored."""
         dkey = digest(key)
         merged: dict[bytes, SubRecord] = {}
 
-        def merge(sk: object, value: object, version: object, ttl: object) -> None:
-            if not (isinstance(sk, bytes) and isinstance(value, bytes)
-                    and isinstance(version, int) and isinstance(ttl, int | float)):
-                return
+        def merge(sk: bytes, value: bytes, version: int, ttl: float) -> None:
             old = merged.get(sk)
             if old is None or (old.version, old.ttl) < (version, ttl):
-                merged[sk] = SubRecord(value, version, float(ttl))
+                merged[sk] = SubRecord(value, version, ttl)
 
-        for sk, (value, version, ttl) in self.storage.get_subs(dkey).items():
-            merge(sk, value, version, ttl)
+        for sk, (rec, ttl) in self.storage.signed(dkey).items():
+            if rec.proof is not None and (max_ttl is None or rec.proof.ttl <= max_ttl):
+                merge(sk, rec.value, rec.version, ttl)
         nodes = await self._nearest(dkey)
         answers = await self._quorum([self.protocol.call_find_subs(n, dkey) for n in nodes])
+        now = time.time()
         for answer in answers:
             for row in answer or []:
-                if isinstance(row, list) and len(row) == 4:
-                    merge(*row)
+                if not (isinstance(row, list) and len(row) == 5):
+                    continue
+                sk, value, version, ttl, wire = row
+                if not (isinstance(sk, bytes) and isinstance(value, bytes)
+                        and isinstance(version, int) and isinstance(ttl, int | float)
+                        and not isinstance(ttl, bool)):
+                    continue
+                held = merged.get(sk)
+                if held is not None and (held.version > version or (
+                        held.version == version and held.value == value)):
+                    continue  # older, or the record we hold as another replica sent it
+                proof = self.verifier.check(dkey, sk, value, version, float(ttl), wire, now)
+                if proof is None or (max_ttl is not None and proof.ttl > max_ttl):
+                    continue
+                merge(sk, value, version, remaining(version, proof, float(ttl), now))
         return {sk: rec for sk, rec in merged.items() if rec.value and rec.ttl > 0}

@@ -18,6 +18,7 @@ from kademlia.protocol import KademliaProtocol
 from kademlia.utils import digest
 
 from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
+from moshpitd.dht.records import Proof, RecordVerifier, remaining
 from moshpitd.dht.storage import SubkeyStorage
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,6 @@ log = logging.getLogger(__name__)
 MAX_DATAGRAM = 65507
 DEPARTED_SECONDS = 60.0
 MISSES_TO_DROP = 2
-MAX_VERSION_AHEAD_NS = 600 * 10**9  # record versions are writers' clocks in ns
 WELCOME_RATE = 5.0  # new contacts per second that get the records they should hold
 WELCOME_BURST = 50
 ID_BYTES = 20
@@ -40,11 +40,12 @@ class SubkeyProtocol(KademliaProtocol):
 
     def __init__(
         self, source_node: Node, storage: SubkeyStorage, ksize: int, wait_timeout: float,
-        auth: SwarmKey | None = None,
+        auth: SwarmKey | None = None, verifier: RecordVerifier | None = None,
     ) -> None:
         super().__init__(source_node, storage, ksize)
         self._wait_timeout = wait_timeout
         self.auth = auth
+        self.verifier = verifier or RecordVerifier()
         self.replay = ReplayCache()
         self.malformed = 0
         # (direction, rpc, result) -> count, read by the metrics collector at scrape time
@@ -115,25 +116,31 @@ class SubkeyProtocol(KademliaProtocol):
     # --- subkey RPCs --------------------------------------------------------------------------
     def rpc_store_sub(
         self, sender: tuple[str, int], nodeid: bytes, key: bytes, subkey: bytes,
-        value: bytes, version: int, ttl: float,
+        value: bytes, version: int, ttl: float, proof: list[Any],
     ) -> bool:
         if not (_is_id(nodeid) and _is_id(key) and isinstance(subkey, bytes)
                 and isinstance(value, bytes) and isinstance(version, int)
                 and isinstance(ttl, int | float) and not isinstance(ttl, bool)):
             raise ValueError("malformed store_sub")
         self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
-        # Our own records are ours to write; and versions come from writers' clocks, so one
-        # far in the future is a forgery meant to pin a record until its TTL runs out.
-        if subkey == self.source_node.id or version > time.time_ns() + MAX_VERSION_AHEAD_NS:
+        # Our own records are ours to write; a record anyone else wrote must be signed by the
+        # peer whose id is its subkey (checked last: a signature costs the most)
+        if subkey == self.source_node.id or not self.storage.admissible(
+                key, subkey, value, version, float(ttl)):
             return False
-        return self.storage.store_sub(key, subkey, value, version, float(ttl))
+        checked = self.verifier.check(key, subkey, value, version, float(ttl), proof)
+        if checked is None:
+            return False
+        return self.storage.store_sub(key, subkey, value, version,
+                                      remaining(version, checked, float(ttl)), checked)
 
     def rpc_find_subs(self, sender: tuple[str, int], nodeid: bytes, key: bytes) -> dict[str, Any]:
         if not (_is_id(nodeid) and _is_id(key)):
             raise ValueError("malformed find_subs")
         self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
-        subs = self.storage.get_subs(key)
-        return {"subs": [[sk, v, ver, ttl] for sk, (v, ver, ttl) in subs.items()]}
+        return {"subs": [[sk, s.value, s.version, ttl, s.proof.wire()]
+                         for sk, (s, ttl) in self.storage.signed(key).items()
+                         if s.proof is not None]}
 
     def rpc_leave(self, sender: tuple[str, int], nodeid: bytes) -> bool:
         """A draining daemon says goodbye, so we stop routing to it now rather than after
@@ -177,10 +184,12 @@ class SubkeyProtocol(KademliaProtocol):
         return super().rpc_find_value(sender, nodeid, key)
 
     async def call_store_sub(
-        self, node: Node, key: bytes, subkey: bytes, value: bytes, version: int, ttl: float
+        self, node: Node, key: bytes, subkey: bytes, value: bytes, version: int, ttl: float,
+        proof: Proof,
     ) -> bool:
         result = await self.store_sub(
-            (node.ip, node.port), self.source_node.id, key, subkey, value, version, ttl
+            (node.ip, node.port), self.source_node.id, key, subkey, value, version, ttl,
+            proof.wire()
         )
         self.handle_call_response(result, node)
         return bool(result[0] and result[1] is True)
@@ -236,9 +245,13 @@ class SubkeyProtocol(KademliaProtocol):
                     keynode
                 )
             if not neighbors or (new_close and we_closest):
-                for sk, (value, version, ttl) in self.storage.get_subs(key).items():
+                # as written: original versions and signatures (only the writer can sign)
+                for sk, (rec, ttl) in self.storage.signed(key, touch=False).items():
+                    if rec.proof is None:
+                        continue
                     task = asyncio.ensure_future(
-                        self.call_store_sub(node, key, sk, value, version, ttl)
+                        self.call_store_sub(node, key, sk, rec.value, rec.version, ttl,
+                                            rec.proof)
                     )
                     task.add_done_callback(_consume)
         self.router.add_contact(node)

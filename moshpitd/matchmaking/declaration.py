@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import msgpack
 
+# A declaration lives one matchmaking attempt (matchmaking_attempt_timeout is at most 600 s):
+# one signed to live longer is dated further back than any peer's attempt, and ignored
+MAX_TTL = 600.0
+
 
 @dataclass(frozen=True)
 class Declaration:

@@ -25,6 +25,7 @@ from moshpitd.allreduce.group import Group
 from moshpitd.clock import AttemptClock
 from moshpitd.dht.network import DHTNode
 from moshpitd.matchmaking.assembly import Action, AssemblyPolicy, Poll
+from moshpitd.matchmaking.declaration import MAX_TTL as DECLARATION_TTL
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.errors import (
     GroupNotFound,
@@ -226,7 +227,7 @@ class Matchmaker:
                     gone=frozenset(self._seen_match - self._declared_now), line=line)
 
     async def _candidates(self) -> list[Candidate]:
-        subs = await self.dht.get_subs(self.req.key)
+        subs = await self.dht.get_subs(self.req.key, max_ttl=DECLARATION_TTL)
         now = time.monotonic()
         out = []
         self._declared_now = set()

@@ -112,7 +112,7 @@ class RunDirectory:
     async def peers(self) -> dict[bytes, PeerEntry]:
         out = {}
         others: Counter[Grid] = Counter()
-        for pid, rec in (await self.dht.get_subs(self.key)).items():
+        for pid, rec in (await self.dht.get_subs(self.key, max_ttl=ENTRY_TTL)).items():
             if pid == self.peer_id:
                 continue
             entry = PeerEntry.unpack(rec.value)

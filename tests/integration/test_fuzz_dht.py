@@ -72,13 +72,16 @@ RPC_ARGS: dict[str, list[st.SearchStrategy[Any]]] = {
     "store": [good_ids, good_keys, st.one_of(ints, floats, st.text(max_size=24), blobs)],
     "find_node": [good_ids, good_keys],
     "find_value": [good_ids, good_keys],
-    # the subkey is a writer's peer id; never a real one: a well-formed record that claims a
-    # real peer's subkey with a higher version replaces that peer's declaration, which an open
-    # swarm (no swarm key) cannot prevent; see README, Security
+    # the subkey is a writer's peer id, and a record must carry its writer's signature: the
+    # fuzzer has no peer's key, so every record it sends is refused after its checks
     "store_sub": [good_ids, good_keys, st.one_of(st.just(FUZZ_NODE_ID), st.binary(
         min_size=20, max_size=20), st.binary(max_size=70)),
                   record_values, st.one_of(st.integers(0, 1 << 62), ints),
-                  st.one_of(st.floats(-1, 4000), floats, st.integers(-1, 5000))],
+                  st.one_of(st.floats(-1, 4000), floats, st.integers(-1, 5000)),
+                  # the writer's proof: [signed ttl, public key, signature], never valid here
+                  st.one_of(st.builds(lambda t, k, g: [t, k, g], st.one_of(
+                      st.floats(-1, 4000), floats), st.binary(min_size=32, max_size=32),
+                      st.binary(min_size=64, max_size=64)), st.lists(dht_scalars, max_size=4))],
     "find_subs": [good_ids, good_keys],
     "leave": [good_ids],
     "stun": [],
@@ -287,7 +290,8 @@ def test_new_contacts_cost_little_cpu(swarm_factory: Callable[..., LocalSwarm]) 
         before = cpu_seconds(d0.proc.pid)
         for i in range(600):
             sock.sendto(b"\x00" + os.urandom(20) + umsgpack.packb(
-                ["store_sub", [os.urandom(20), os.urandom(20), b"w", b"v", 1, 600.0]]),
+                ["store_sub", [os.urandom(20), os.urandom(20), b"w", b"v", 1, 600.0,
+                               [600.0, os.urandom(32), os.urandom(64)]]]),
                 (host, int(port)))
             if i % 100 == 99:  # let it keep up: no datagram lost to a full socket buffer
                 msg_id = os.urandom(20)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-import umsgpack
 
 import moshpit
+from moshpitd.identity import PeerKey
 from moshpitd.launcher import start_daemon
+from tests.integration.dht_wire import RawDHT, hostport
 
 
 def test_limits_refuse_with_the_setting_named(tmp_path: Path) -> None:
@@ -31,24 +30,15 @@ def test_limits_refuse_with_the_setting_named(tmp_path: Path) -> None:
                 moshpit.Client(d.socket)
             assert c.status()["status"]["rounds_done"] == 0  # the session goes on
 
-        host, port = d.info["dht"].rsplit(":", 1)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.settimeout(2)
+        writers = [PeerKey.generate() for _ in range(4)]
+        with RawDHT() as raw:
+            def store(writer: PeerKey, value: bytes) -> object:
+                return raw.store_sub(hostport(d.info["dht"]), "limits", writer, value)
 
-            def store(subkey: bytes, value: bytes) -> object:
-                msg_id = os.urandom(20)
-                s.sendto(b"\x00" + msg_id + umsgpack.packb(
-                    ["store_sub", [os.urandom(20), b"\x07" * 20, subkey, value, 1, 60.0]]),
-                    (host, int(port)))
-                while True:  # skip the daemon's own requests to us (it welcomes new nodes)
-                    reply = s.recv(65536)
-                    if reply[:21] == b"\x01" + msg_id:
-                        return umsgpack.unpackb(reply[21:])
-
-            assert store(b"a", b"x" * 256) is True
-            assert store(b"b", b"x" * 257) is False  # dht_max_value_bytes
-            assert store(b"c", b"x") is True
-            assert store(b"d", b"x") is False  # dht_max_records_per_key
+            assert store(writers[0], b"x" * 256) is True
+            assert store(writers[1], b"x" * 257) is False  # dht_max_value_bytes
+            assert store(writers[2], b"x") is True
+            assert store(writers[3], b"x") is False  # dht_max_records_per_key
 
         with grpc.insecure_channel(d.info["grpc"]) as channel:
             join = channel.unary_stream("/moshpit.Averager/Join",

@@ -38,7 +38,8 @@ def test_settings_come_from_file_env_and_flags_in_that_order(tmp_path: Path) -> 
     conf = tmp_path / "moshpitd.toml"
     conf.write_text(f'ipc_socket = "{tmp_path}/file.sock"\nready_file = "{ready}"\n'
                     f'dht_listen = "127.0.0.1:0"\ngrpc_listen = "127.0.0.1:0"\n'
-                    f'metrics_listen = "127.0.0.1:0"\nlog_level = "DEBUG"\n')
+                    f'metrics_listen = "127.0.0.1:0"\nlog_level = "DEBUG"\n'
+                    f'peer_key_file = "{tmp_path}/peer.key"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOSHPITD_")}
     env["MOSHPITD_IPC_SOCKET"] = str(tmp_path / "env.sock")  # env beats the file
     proc = subprocess.Popen([sys.executable, "-m", "moshpitd", "--config", str(conf),

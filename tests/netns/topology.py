@@ -209,6 +209,7 @@ table ip moshpit_netem {{
             "--dht-listen", f"{host.ip}:{DHT_PORT}", "--grpc-listen", f"{host.ip}:{GRPC_PORT}",
             "--data-port", str(DATA_PORT), "--metrics-listen", "127.0.0.1:0",
             "--ipc-socket", str(self.workdir / f"{name}.sock"), "--ready-file", str(ready),
+            "--peer-key-file", str(self.workdir / f"{name}.peer.key"),
             *(["--bootstrap", ",".join(f"{b.ip}:{DHT_PORT}" for b in bootstrap)]
               if bootstrap else []),
             *extra_args)

@@ -131,7 +131,8 @@ def test_each_option_is_declared_once_and_everything_is_derived_from_it() -> Non
     # Settings holds exactly the options (plus where each value came from); the node's config
     # inherits them all and adds only what the service loads from them
     assert [f.name for f in fields(Settings)] == [*keys, "sources"]
-    assert [f.name for f in fields(NodeConfig)] == [*keys, "sources", "swarm_key", "tls"]
+    assert [f.name for f in fields(NodeConfig)] == [*keys, "sources", "swarm_key", "tls",
+                                                   "identity"]
     flags = {a.dest: a.option_strings for a in build_parser()._actions}
     for o in OPTIONS:
         assert o.flag in flags[o.key], o.key

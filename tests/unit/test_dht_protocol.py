@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,12 +14,31 @@ from hypothesis import strategies as st
 from kademlia.node import Node
 
 from moshpitd.dht.protocol import SubkeyProtocol
+from moshpitd.dht.records import CLOCK_SKEW, sign
 from moshpitd.dht.storage import SubkeyStorage
+from moshpitd.identity import PeerKey
 
 SELF_ID = b"\x01" * 20
 PEER_ID = b"\x02" * 20
 KEY = b"\x03" * 20
 ADDR = ("10.0.0.2", 4000)
+WRITER_A, WRITER_B = PeerKey.generate(), PeerKey.generate()
+A, B = WRITER_A.peer_id, WRITER_B.peer_id
+NOW = time.time_ns()  # record versions are writers' wall clocks in ns: set again per test
+
+
+@pytest.fixture(autouse=True)
+def _versions_from_now() -> None:
+    """Versions must lie within the clock window when a test runs, not when it was collected."""
+    global NOW
+    NOW = time.time_ns()
+
+
+def signed(writer: PeerKey, value: bytes, version: int, ttl: float, key: bytes = KEY
+           ) -> tuple[bytes, bytes, bytes, int, float, list[object]]:
+    """store_sub's arguments after the sender's node id, for a record `writer` signed."""
+    proof = sign(writer, key, value, version, ttl)
+    return key, writer.peer_id, value, version, ttl, proof.wire()
 
 
 class FakeClock:
@@ -58,26 +78,83 @@ def _request(name: str, *args: object, msg_id: bytes = b"\x07" * 20) -> bytes:
 
 def test_store_sub_then_find_subs() -> None:
     proto = _proto()
-    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"peer-a", b"decl", 3, 30.0) is True
-    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"peer-b", b"", 1, 10) is True  # int ttl
+    a = signed(WRITER_A, b"decl", NOW + 3, 30.0)
+    b = signed(WRITER_B, b"", NOW + 1, 10)  # int ttl
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *a) is True
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *b) is True
     got = proto.rpc_find_subs(ADDR, PEER_ID, KEY)
-    assert sorted(got["subs"]) == [[b"peer-a", b"decl", 3, 30.0], [b"peer-b", b"", 1, 10.0]]
+    # records go out as they came in: value, version, remaining ttl and the writer's proof
+    assert sorted(got["subs"]) == sorted([[A, b"decl", NOW + 3, 30.0, a[5]],
+                                          [B, b"", NOW + 1, 10.0, [10.0, *b[5][1:]]]])
     assert proto.rpc_find_subs(ADDR, PEER_ID, b"\x09" * 20) == {"subs": []}
 
 
 def test_store_sub_merges_by_version() -> None:
     proto = _proto()
-    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"p", b"new", 5, 30.0) is True
-    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"p", b"old", 4, 30.0) is False
-    assert proto.rpc_find_subs(ADDR, PEER_ID, KEY)["subs"] == [[b"p", b"new", 5, 30.0]]
+    new = signed(WRITER_A, b"new", NOW + 5, 30.0)
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *new) is True
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(WRITER_A, b"old", NOW + 4, 30.0)) is False
+    assert proto.rpc_find_subs(ADDR, PEER_ID, KEY)["subs"] == [[A, b"new", NOW + 5, 30.0,
+                                                                new[5]]]
+    assert proto.verifier.refused == {}  # an older record is not a forgery
 
 
 def test_store_sub_refusals_are_false_not_errors() -> None:
     proto = _proto()
-    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"p", b"v", 1, -1.0) is False
-    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"p", b"x" * 5000, 1, 1.0) is False
-    assert proto.rpc_store_sub(ADDR, PEER_ID, KEY, b"s" * 65, b"v", 1, 1.0) is False
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(WRITER_A, b"v", NOW, -1.0)) is False
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(WRITER_A, b"x" * 5000, NOW, 1.0)) is False
+    key, _, value, version, ttl, proof = signed(WRITER_A, b"v", NOW, 1.0)
+    assert proto.rpc_store_sub(ADDR, PEER_ID, key, b"s" * 65, value, version, ttl,
+                               proof) is False
     assert proto.rpc_find_subs(ADDR, PEER_ID, KEY) == {"subs": []}
+
+
+def test_only_the_subkeys_own_signature_is_accepted() -> None:
+    """A record under peer A's id must carry A's key and A's signature over exactly what it
+    says (key, subkey, value, version, signed ttl), dated within the clock window."""
+    proto = _proto()
+    key, sk, value, version, ttl, proof = signed(WRITER_A, b"decl", NOW, 30.0)
+    other = sign(WRITER_B, KEY, b"decl", NOW, 30.0).wire()
+    forged = [
+        (sk, value, version, ttl, None),  # unsigned
+        (sk, value, version, ttl, [30.0, proof[1]]),  # malformed proof
+        (sk, value, version, ttl, [30.0, proof[1][:31], proof[2]]),
+        (sk, value, version, ttl, other),  # B's valid signature, A's subkey
+        (sk, value, version, ttl, [30.0, proof[1], other[2]]),  # A's key, B's signature
+        (sk, b"", version, ttl, proof),  # a tombstone under A's signature of its declaration
+        (sk, value, version + 1, ttl, proof),  # another version
+        (sk, value, version, ttl, [60.0, proof[1], proof[2]]),  # a longer signed life
+        (b"\x05" * 20, value, version, ttl, proof),  # A's record moved to another subkey
+    ]
+    for record in forged:
+        assert proto.rpc_store_sub(ADDR, PEER_ID, key, *record) is False, record
+    assert proto.rpc_store_sub(ADDR, PEER_ID, b"\x04" * 20, sk, value, version, ttl,
+                               proof) is False  # under another key
+    skew = int(CLOCK_SKEW * 1e9)
+    future = signed(WRITER_A, b"decl", time.time_ns() + skew + 10**10, 30.0)
+    stale = signed(WRITER_A, b"decl", time.time_ns() - skew - 31 * 10**9, 30.0)
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *future) is False
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *stale) is False
+    assert proto.storage.sub_keys() == []
+    assert proto.verifier.refused == {"unsigned": 3, "wrong_signer": 2, "bad_signature": 5,
+                                      "version": 2}
+    # the genuine record goes in, and is checked once however often it comes back
+    assert proto.rpc_store_sub(ADDR, PEER_ID, key, sk, value, version, ttl, proof) is True
+    checks = proto.verifier.verifications
+    proto.storage._subs.clear()
+    assert proto.rpc_store_sub(ADDR, PEER_ID, key, sk, value, version, ttl, proof) is True
+    assert proto.verifier.verifications == checks
+
+
+def test_a_record_lives_no_longer_than_it_was_signed_for() -> None:
+    """A replica may say more time is left than the writer signed: it gets what the
+    signature allows by our clock, within the clock skew."""
+    proto = _proto()
+    version = time.time_ns() - 20 * 10**9  # written 20 s ago, to live 25 s
+    key, sk, value, _, _, proof = signed(WRITER_A, b"decl", version, 25.0)
+    assert proto.rpc_store_sub(ADDR, PEER_ID, key, sk, value, version, 25.0, proof) is True
+    (_, _, _, ttl, _), = proto.rpc_find_subs(ADDR, PEER_ID, KEY)["subs"]
+    assert ttl <= 25.0 - 20.0 + CLOCK_SKEW
 
 
 def test_handler_adds_sender_to_routing_table() -> None:
@@ -88,7 +165,7 @@ def test_handler_adds_sender_to_routing_table() -> None:
     assert [(n.id, n.ip, n.port) for n in neighbors] == [(PEER_ID, *ADDR)]
 
 
-_GOOD_STORE = (PEER_ID, KEY, b"sk", b"value", 1, 10.0)
+_GOOD_STORE = (PEER_ID, *signed(WRITER_A, b"value", NOW, 10.0))
 
 
 @pytest.mark.parametrize(
@@ -156,20 +233,20 @@ def test_datagram_store_sub_gets_a_reply() -> None:
     async def body() -> None:
         proto = _proto(transport=True)
         msg_id = b"\x11" * 20
-        proto.datagram_received(
-            _request("store_sub", PEER_ID, KEY, b"p", b"decl", 2, 15.0, msg_id=msg_id), ADDR
-        )
+        record = signed(WRITER_A, b"decl", NOW + 2, 15.0)
+        proto.datagram_received(_request("store_sub", PEER_ID, *record, msg_id=msg_id), ADDR)
         for _ in range(5):
             await asyncio.sleep(0)
         sent = proto.transport.sent  # type: ignore[union-attr]
         assert sent == [(b"\x01" + msg_id + umsgpack.packb(True), ADDR)]
-        assert proto.storage.get_subs(KEY) == {b"p": (b"decl", 2, 15.0)}
+        assert proto.storage.get_subs(KEY) == {A: (b"decl", NOW + 2, 15.0)}
         assert proto.malformed == 0
 
         await proto._safe_solve(_request("find_subs", PEER_ID, KEY, msg_id=msg_id), ADDR)
         data, addr = sent[-1]
         assert addr == ADDR and data[:21] == b"\x01" + msg_id
-        assert umsgpack.unpackb(data[21:]) == {"subs": [[b"p", b"decl", 2, 15.0]]}
+        assert umsgpack.unpackb(data[21:]) == {"subs": [[A, b"decl", NOW + 2, 15.0,
+                                                         record[5]]]}
 
     _in_loop(body)
 
@@ -189,8 +266,9 @@ def test_datagram_store_sub_gets_a_reply() -> None:
         _request("ping"),  # missing argument
         _request("ping", PEER_ID, PEER_ID),  # extra argument
         _request("ping", b"short"),
-        _request("store_sub", PEER_ID, KEY, "p", b"v", 1, 1.0),
-        _request("store_sub", PEER_ID, KEY, b"p", b"v", 1, "1"),
+        _request("store_sub", PEER_ID, KEY, "p", b"v", 1, 1.0, []),
+        _request("store_sub", PEER_ID, KEY, b"p", b"v", 1, "1", []),
+        _request("store_sub", PEER_ID, KEY, b"p", b"v", 1, 1.0),  # no proof at all
         _request("find_subs", PEER_ID, b"k"),
         _request("store", PEER_ID, KEY, {"a": 1}),
         _request("find_node", PEER_ID, None),
@@ -269,7 +347,9 @@ ZERO_KEY = b"\x00" * 20
 def test_newcomer_gets_records_when_table_is_empty() -> None:
     async def body() -> None:
         proto = _proto(NEAR_SELF, transport=True)
-        proto.storage.store_sub(ZERO_KEY, b"p", b"decl", 4, 20.0)
+        proof = sign(WRITER_A, ZERO_KEY, b"decl", NOW + 4, 20.0)
+        proto.storage.store_sub(ZERO_KEY, A, b"decl", NOW + 4, 20.0, proof)
+        proto.storage.store_sub(ZERO_KEY, B, b"unsigned", NOW, 20.0)  # never handed on
         newcomer = b"\x00" * 19 + b"\x02"
         assert proto.rpc_ping(("10.0.0.9", 9), newcomer) == NEAR_SELF
         for _ in range(5):
@@ -281,7 +361,8 @@ def test_newcomer_gets_records_when_table_is_empty() -> None:
         assert data[:1] == b"\x00"
         name, args = umsgpack.unpackb(data[21:])
         assert name == "store_sub"
-        assert list(args) == [NEAR_SELF, ZERO_KEY, b"p", b"decl", 4, 20.0]
+        # as written: the original version and the writer's signature
+        assert list(args) == [NEAR_SELF, ZERO_KEY, A, b"decl", NOW + 4, 20.0, proof.wire()]
         # the reply resolves the outstanding call
         msg_id = data[1:21]
         proto.datagram_received(b"\x01" + msg_id + umsgpack.packb(True), addr)
@@ -297,7 +378,8 @@ def test_records_go_to_close_newcomer_only() -> None:
         proto = _proto(NEAR_SELF, transport=True)
         far = b"\xf0" + b"\x00" * 19
         proto.rpc_ping(("10.0.0.1", 1), far)  # table: one far contact, storage empty
-        proto.storage.store_sub(ZERO_KEY, b"p", b"decl", 1, 20.0)
+        proto.storage.store_sub(ZERO_KEY, A, b"decl", NOW, 20.0,
+                                sign(WRITER_A, ZERO_KEY, b"decl", NOW, 20.0))
         sent = proto.transport.sent  # type: ignore[union-attr]
 
         proto.rpc_ping(("10.0.0.2", 2), b"\xff" * 20)  # farther than the far contact

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,15 +23,16 @@ def test_importing_sets_no_environment() -> None:
     assert out.stdout.strip() == "None"
 
 
-def test_the_daemon_entry_point_sets_single_threaded_blas(monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
+def test_the_daemon_entry_point_sets_single_threaded_blas(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     seen: list[str | None] = []
 
-    async def fake_serve(*args: object) -> int:
+    async def fake_serve(*args: object, **kwargs: object) -> int:
         seen.append(os.environ.get("OPENBLAS_NUM_THREADS"))
         return 0
 
     monkeypatch.setattr(moshpitd.service, "serve", fake_serve)
-    assert cli.main(["--ipc-socket", "/tmp/moshpitd-side-effects.sock"]) == 0
+    assert cli.main(["--ipc-socket", "/tmp/moshpitd-side-effects.sock",
+                     "--peer-key-file", str(tmp_path / "peer.key")]) == 0
     assert seen == ["1"]

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import os
+import time
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kademlia.storage import IStorage
 
-from moshpitd.dht.storage import MAX_TTL, SubkeyStorage
+from moshpitd.dht.records import Proof
+from moshpitd.dht.storage import KEY_COST, MAX_TTL, RECORD_COST, SubkeyStorage
 
 KEY = b"k" * 20
 
@@ -177,16 +182,81 @@ def test_subkey_cap_is_per_key(clock: FakeClock) -> None:
     assert not s.store_sub(b"a" * 20, b"q", b"v", 1, 10.0)
 
 
-def test_too_many_keys_refused_until_one_expires(clock: FakeClock) -> None:
+def test_when_full_expired_keys_go_first_then_the_least_recently_used(clock: FakeClock) -> None:
+    """A full store takes a new key: a flood of new keys cannot lock out the next round's."""
     s = SubkeyStorage(max_keys=2, clock=clock)
     assert s.store_sub(b"a", b"p", b"v", 1, 5.0)
     assert s.store_sub(b"b", b"p", b"v", 1, 50.0)
-    assert not s.store_sub(b"c", b"p", b"v", 1, 50.0)
-    assert sorted(s.sub_keys()) == [b"a", b"b"]
     assert s.store_sub(b"a", b"q", b"v", 1, 5.0)  # existing key still takes subkeys
     clock.advance(6.0)  # key a expires entirely; nothing has read it since
     assert s.store_sub(b"c", b"p", b"v", 1, 50.0)
     assert sorted(s.sub_keys()) == [b"b", b"c"]
+    assert s.evicted == 0  # only expired records went
+    s.get_subs(b"b")  # read: b is now more recently used than c
+    assert s.store_sub(b"d", b"p", b"v", 1, 50.0)
+    assert sorted(s.sub_keys()) == [b"b", b"d"] and s.evicted == 1
+    s.signed(b"b", touch=False)  # handing records over is not a use
+    assert s.store_sub(b"e", b"p", b"v", 1, 50.0)
+    assert sorted(s.sub_keys()) == [b"d", b"e"] and s.evicted == 2
+
+
+def test_memory_is_bounded_by_bytes(clock: FakeClock) -> None:
+    cost = KEY_COST + RECORD_COST + 20 + 1000
+    s = SubkeyStorage(max_bytes=10 * cost, max_value_bytes=1000, clock=clock)
+    for i in range(100):
+        assert s.store_sub(i.to_bytes(20, "big"), bytes(20), b"x" * 1000, 1, 60.0)
+        assert s.bytes_used <= s.max_bytes
+    assert s.bytes_used == 10 * cost and s.records == 10 and s.evicted == 90
+    assert sorted(s.sub_keys()) == [i.to_bytes(20, "big") for i in range(90, 100)]
+    # small records after large ones: the freed bytes are reused
+    for i in range(30):
+        assert s.store_sub(b"small" + bytes([i]), bytes(20), b"y", 1, 60.0)
+    assert s.bytes_used <= s.max_bytes
+    # replacing a record charges the difference, and dropping everything gives it all back
+    assert s.store_sub(b"small\x00", bytes(20), b"z" * 500, 2, 60.0)
+    assert s.bytes_used <= s.max_bytes
+    clock.advance(61.0)
+    s.store_sub(b"last", b"w" * 20, b"", 1, 1.0)
+    assert s.records == 1 and s.bytes_used == KEY_COST + RECORD_COST + 20
+
+
+def test_one_record_larger_than_the_whole_store_is_refused(clock: FakeClock) -> None:
+    s = SubkeyStorage(max_bytes=RECORD_COST + KEY_COST + 100, clock=clock)
+    assert not s.store_sub(KEY, b"p", b"x" * 200, 1, 10.0)
+    assert s.sub_keys() == [] and s.bytes_used == 0 and s.refused_full == 1
+
+
+def test_records_per_writer_are_capped(clock: FakeClock) -> None:
+    s = SubkeyStorage(max_per_writer=3, clock=clock)
+    for i in range(3):
+        assert s.store_sub(bytes([i]) * 20, b"w", b"v", 1, 10.0)
+    assert not s.store_sub(b"\x09" * 20, b"w", b"v", 1, 10.0)
+    assert s.store_sub(b"\x09" * 20, b"other", b"v", 1, 10.0)  # another writer: room
+    assert s.store_sub(b"\x00" * 20, b"w", b"v2", 2, 10.0)  # an update is no new record
+    clock.advance(10.5)  # once the writer's records expire it may write again
+    assert s.store_sub(b"\x09" * 20, b"w", b"v", 1, 10.0)
+
+
+def test_charged_bytes_cover_the_memory_records_really_take() -> None:
+    """RECORD_COST and KEY_COST are what Python holds per record and key beyond the bytes of
+    value and subkey: the bound by bytes is a bound on memory (within a tenth)."""
+    raw = [os.urandom(20 + 20 + 300 + 32 + 64) for _ in range(3000)]
+    for per_key in (1, 30):
+        s = SubkeyStorage(max_keys=1 << 20, max_bytes=1 << 40, max_per_writer=1 << 20,
+                          max_subkeys=1 << 20, clock=FakeClock())
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        key = b""
+        for i, r in enumerate(raw):  # fresh objects, as decoded from datagrams
+            if i % per_key == 0:
+                key = bytes(bytearray(r[:20]))
+            proof = Proof(60.0, r[340:372], r[372:])
+            s.store_sub(key, r[20:40], r[40:340], time.time_ns(), 60.0, proof)
+        real = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert real <= s.bytes_used * 1.1, (per_key, real, s.bytes_used)
+        assert s.bytes_used <= real * 1.5, (per_key, real, s.bytes_used)
 
 
 # --- merge order independence -----------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""The daemon's peer key: an Ed25519 key pair whose public half is who this daemon is.
+
+The swarm key (auth.py) says a daemon is a member; the peer key says which member. A peer id is
+the first 20 bytes of SHA-256 of the raw 32-byte public key, so anyone holding a public key can
+check that it belongs to an id, and nobody can pick an id without holding its private key.
+The id is also the daemon's Kademlia node id (20 bytes, like Kademlia's own).
+
+The private key lives in a file (PKCS#8 PEM, as `openssl genpkey -algorithm ed25519` writes
+it) that is created, mode 0600, on first start: the identity survives restarts. A file that
+others may read, or that does not hold an Ed25519 key, stops the daemon at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+PEER_ID_BYTES = 20
+PUBLIC_KEY_BYTES = 32
+SIGNATURE_BYTES = 64
+MAX_KEY_FILE = 1 << 16
+
+__all__ = ["PEER_ID_BYTES", "PUBLIC_KEY_BYTES", "SIGNATURE_BYTES", "IdentityError", "PeerKey",
+           "peer_id_of", "verify"]
+
+
+class IdentityError(ValueError):
+    """The peer key file cannot be used; the message says which file and what to do."""
+
+
+def peer_id_of(public: bytes) -> bytes:
+    return hashlib.sha256(public).digest()[:PEER_ID_BYTES]
+
+
+def verify(public: bytes, signature: bytes, data: bytes) -> bool:
+    """Whether `signature` is `public`'s signature of `data` (False for a malformed key)."""
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+class PeerKey:
+    def __init__(self, private: Ed25519PrivateKey) -> None:
+        self._private = private
+        self.public = private.public_key().public_bytes(serialization.Encoding.Raw,
+                                                        serialization.PublicFormat.Raw)
+        self.peer_id = peer_id_of(self.public)
+
+    @classmethod
+    def generate(cls) -> PeerKey:
+        """A key that lives as long as the process: for tests and in-process nodes."""
+        return cls(Ed25519PrivateKey.generate())
+
+    def sign(self, data: bytes) -> bytes:
+        return self._private.sign(data)
+
+    def pem(self) -> bytes:
+        return self._private.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption())
+
+    @classmethod
+    def load(cls, path: str) -> PeerKey:
+        """The key in an existing file, refused if others may read it or it is malformed."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise IdentityError(f"cannot read peer key file {path}: {exc.strerror}") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise IdentityError(f"peer key file {path} is not a regular file")
+            if st.st_mode & 0o077:
+                raise IdentityError(
+                    f"peer key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: it is this "
+                    f"daemon's identity and must be readable by its owner only (chmod 600 {path})")
+            data = f.read(MAX_KEY_FILE + 1)
+        try:
+            private = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError) as exc:
+            raise IdentityError(
+                f"peer key file {path} does not hold an unencrypted PEM private key ({exc}); "
+                "move it away and the daemon makes a new identity at its next start") from None
+        if not isinstance(private, Ed25519PrivateKey):
+            raise IdentityError(f"peer key file {path} holds a {type(private).__name__}, not an "
+                                "Ed25519 key")
+        return cls(private)
+
+    @classmethod
+    def load_or_create(cls, path: str) -> PeerKey:
+        """The key in `path`, made there (mode 0600, directory 0700 if missing) on first use."""
+        if os.path.lexists(path):
+            return cls.load(path)
+        key = cls.generate()
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            if not os.path.isdir(directory):
+                os.makedirs(directory, mode=0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:  # another process made it first: that one is the identity
+            if os.path.lexists(path):
+                return cls.load(path)
+            raise IdentityError(f"cannot create peer key file {path}: {directory} is not a "
+                                "directory (set peer_key_file to another path)") from None
+        except OSError as exc:
+            raise IdentityError(
+                f"cannot create peer key file {path}: {exc.strerror} (set peer_key_file to a "
+                "path this user may write, e.g. in the daemon's state directory)") from None
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(key.pem())
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        return key

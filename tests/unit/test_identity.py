@@ -1,0 +1,99 @@
+"""The peer key file: made once with mode 0600, the same identity at every start, refused
+(with a message saying what to do) when others may read it or it holds no Ed25519 key."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from moshpitd.identity import IdentityError, PeerKey, peer_id_of, verify
+
+
+def test_key_file_is_made_private_once_and_then_kept(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "peer.key"
+    first = PeerKey.load_or_create(str(path))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert path.read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+    again = PeerKey.load_or_create(str(path))
+    assert again.peer_id == first.peer_id and again.public == first.public
+    assert PeerKey.load(str(path)).peer_id == first.peer_id
+
+
+def test_peer_id_is_the_hash_of_the_public_key_and_signatures_verify() -> None:
+    key, other = PeerKey.generate(), PeerKey.generate()
+    assert key.peer_id == hashlib.sha256(key.public).digest()[:20] == peer_id_of(key.public)
+    assert len(key.public) == 32 and key.peer_id != other.peer_id
+    signature = key.sign(b"record")
+    assert verify(key.public, signature, b"record")
+    assert not verify(key.public, signature, b"recorD")
+    assert not verify(other.public, signature, b"record")
+    assert not verify(b"\x00" * 31, signature, b"record")
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_a_key_others_may_read_is_refused(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "peer.key"
+    PeerKey.load_or_create(str(path))
+    path.chmod(mode)
+    with pytest.raises(IdentityError, match=r"readable by its owner only \(chmod 600"):
+        PeerKey.load_or_create(str(path))
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"not a key\n", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+    os.urandom(64)])
+def test_a_malformed_key_is_refused_and_left_alone(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "peer.key"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    with pytest.raises(IdentityError, match="does not hold an unencrypted PEM private key"):
+        PeerKey.load_or_create(str(path))
+    assert path.read_bytes() == content  # never overwritten: it may be someone's identity
+
+
+def test_a_key_of_another_kind_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "peer.key"
+    path.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    path.chmod(0o600)
+    with pytest.raises(IdentityError, match="not an Ed25519 key"):
+        PeerKey.load(str(path))
+
+
+def test_links_and_unwritable_places_are_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real.key"
+    PeerKey.load_or_create(str(real))
+    link = tmp_path / "link.key"
+    link.symlink_to(real)
+    with pytest.raises(IdentityError, match="cannot read peer key file"):
+        PeerKey.load_or_create(str(link))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(IdentityError, match=r"cannot create peer key file .*set peer_key_file"):
+        PeerKey.load_or_create(str(blocker / "peer.key"))
+
+
+def test_the_daemon_refuses_a_bad_key_file_at_start(tmp_path: Path) -> None:
+    loose = tmp_path / "loose.key"
+    PeerKey.load_or_create(str(loose))
+    loose.chmod(0o644)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOSHPITD_")}
+    for args in (["--check-config"], ["--ipc-socket", str(tmp_path / "d.sock")]):
+        out = subprocess.run([sys.executable, "-m", "moshpitd", *args, "--peer-key-file",
+                              str(loose)], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert "moshpitd: peer key: peer key file" in out.stderr and "chmod 600" in out.stderr
+    fresh = tmp_path / "fresh.key"
+    out = subprocess.run([sys.executable, "-m", "moshpitd", "--check-config", "--peer-key-file",
+                          str(fresh)], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and not fresh.exists()  # checking makes nothing
