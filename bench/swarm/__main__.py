@@ -53,11 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=DEFAULT_HYPER.weight_decay)
     p.add_argument("--cores", type=float,
                    help="CPU quota per host (default: this machine's cores / hosts)")
-    p.add_argument("--startup", type=float,
-                   help="seconds from launch to the common start (not timed; default 30, "
-                        "--smoke 20)")
+    p.add_argument("--startup", type=float, default=240.0,
+                   help="most seconds from launch until every host is ready; they then start "
+                        "together (startup is not timed; default 240)")
     p.add_argument("--snapshot-every", type=float,
                    help="seconds between snapshots (default budget/15, at least 5)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: evaluate and report the run.json files already in --out")
     p.add_argument("--eval-procs", type=int,
                    help="processes evaluating snapshots after the runs (default 2; --smoke 1)")
     return p.parse_args(argv)
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
-    problem = missing_prerequisites(need_cgroup=True)
+    problem = None if args.report_only else missing_prerequisites(need_cgroup=True)
     if problem:
         print(f"cannot run the benchmark: {problem}", file=sys.stderr)
         return 2
@@ -94,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     configs: dict[str, RunConfig] = {}
     failed: dict[str, str] = {}
-    for scenario in scenarios:
+    if args.report_only:
+        if args.out is None:
+            print("--report-only needs --out (a directory of an earlier run)", file=sys.stderr)
+            return 2
+        records, configs = load_records(out, scenarios, systems)
+        scenarios = [s for s in scenarios if s.name in configs]
+    for scenario in [] if args.report_only else scenarios:
         cfg = config_for(scenario, args, out)
         configs[scenario.name] = cfg
         try:
@@ -132,6 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def load_records(out: Path, scenarios: list[Scenario], systems: list[str]
+                 ) -> tuple[list[dict[str, Any]], dict[str, RunConfig]]:
+    records, configs = [], {}
+    for scenario in scenarios:
+        for system in systems:
+            path = out / scenario.name / system / "run.json"
+            if path.exists():
+                record = json.loads(path.read_text())
+                records.append(record)
+                raw = dict(record["config"], out=Path(record["config"]["out"]))
+                configs[scenario.name] = RunConfig(**raw)
+    return records, configs
+
+
 def config_for(scenario: Scenario, args: argparse.Namespace, out: Path) -> RunConfig:
     hosts = args.hosts or (4 if args.smoke else scenario.hosts)
     budget = args.budget or (25.0 if args.smoke else scenario.budget_s)
@@ -142,7 +164,7 @@ def config_for(scenario: Scenario, args: argparse.Namespace, out: Path) -> RunCo
         ("tiny" if args.smoke else "small"), batch=args.batch, seq_len=args.seq_len,
         lr=args.lr, weight_decay=args.weight_decay, snapshot_every_s=snapshot,
         checkpoint_every_s=max(10.0, budget / 5), cpu_cores=cores,
-        startup_s=args.startup or (20.0 if args.smoke else 30.0),
+        startup_s=args.startup,
         final_grace_s=max(30.0, budget / 3))
 
 

@@ -42,7 +42,8 @@ class WorkerProcess:
         out_dir.mkdir(parents=True, exist_ok=True)
         spec_path = out_dir / f"spec-g{gen}.json"
         spec_path.write_text(json.dumps(spec, indent=1))
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
         worker = cls(spec["host"], gen, spec, spec_path, time.time())
         with open(out_dir / f"worker-g{gen}.log", "ab") as log:
             worker.proc = topo.spawn(host, [python, "-m", "bench.swarm.worker",

@@ -53,11 +53,10 @@ def _evaluate(path: str, model: str) -> float:
 
     from bench.swarm.workload import evaluate
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as exc:
-        print(f"cannot load snapshot {path}: {exc}")
+        return evaluate(torch.load(path, map_location="cpu", weights_only=True), model=model)
+    except Exception as exc:  # one bad file must not lose the whole report
+        print(f"cannot evaluate snapshot {path}: {type(exc).__name__}: {exc}", flush=True)
         return math.nan
-    return evaluate(state, model=model)
 
 
 def evaluate_snapshots(records: list[dict[str, Any]], procs: int = 2) -> dict[str, float]:
@@ -242,7 +241,7 @@ def cpu(record: dict[str, Any]) -> dict[str, float]:
 def models_agree(record: dict[str, Any]) -> dict[str, Any]:
     """Max |difference| between the hosts' final (`done`) models, parameter by parameter."""
     import torch
-    paths = [e["path"] for w in record["workers"] if not w["kill_reason"]
+    paths = [e["path"] for w in record["workers"] if w["killed_at"] is None
              for e in w["events"] if e["event"] == "done" and e.get("path")]
     if len(paths) < 2:
         return {"hosts": len(paths), "max_abs_diff": math.nan, "agree": False}
@@ -278,8 +277,12 @@ def summarize(record: dict[str, Any], losses: dict[str, float], target: float | 
     row["failures_survived"], row["preemptions"] = failures(record)
     row.update(syncs(record))
     row.update(cpu(record))
-    row["errors"] = [e.get("message", "") for w in record["workers"] for e in w["events"]
-                     if e["event"] == "error"]
+    # a worker the orchestrator killed (its peers' too, in a DDP restart) may complain first
+    first_kill = min((a["t"] for a in record["actions"] if a["kind"] == "preempt"),
+                     default=math.inf)
+    row["errors"] = [f"host {w['host']}: {e.get('message', '')}" for w in record["workers"]
+                     for e in w["events"] if e["event"] == "error"
+                     and not (w["killed_at"] is not None and e["t"] >= first_kill)]
     if record["system"] == "moshpit":
         row["final_models"] = models_agree(record)
     return row

@@ -27,6 +27,7 @@ from netlab import Host, Topology
 SYSTEMS = ("ddp", "moshpit", "hivemind-sync", "hivemind-local")
 PORT_BASE = 7710  # the worker's ports: PORT_BASE..PORT_BASE+9 (the daemon has 7700..7702)
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+DONE_EXIT_S = 3.0  # a worker still running this long after `done` is stopped
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class RunConfig:
     seed: int = 0
     snapshot_every_s: float = 10.0
     checkpoint_every_s: float = 30.0  # DDP: the elastic restart resumes from the last one
-    startup_s: float = 30.0  # launch to start_at (not timed; the same for every system)
+    startup_s: float = 240.0  # most seconds from launch until every host is ready (not timed)
     final_grace_s: float = 60.0  # after the budget: final syncs, `done`, exit
     cpu_cores: float = 0.5  # per host
     sample_every_s: float = 1.0
@@ -104,6 +105,7 @@ class SystemRun:
         self.say = say
         self.dir = cfg.out / scenario.name / system
         self.shared = self.dir / "shared"
+        self.start_file = self.dir / "start_at"
         self.workers: list[WorkerProcess] = []
         self.current: dict[int, WorkerProcess] = {}  # host -> its live incarnation
         self.gens: dict[int, int] = {}
@@ -115,9 +117,10 @@ class SystemRun:
         self.daemon_count = 0
         self.start_at = 0.0
         self.end_at = 0.0
+        self.tx_at_start = [0] * cfg.hosts
 
     # --- processes --------------------------------------------------------------------------
-    def _spec(self, host: int, start_at: float, rejoin: bool) -> dict[str, Any]:
+    def _spec(self, host: int, start_at: float | None, rejoin: bool) -> dict[str, Any]:
         cfg = self.cfg
         gen = self.gens.get(host, -1) + 1
         spec: dict[str, Any] = {
@@ -125,7 +128,9 @@ class SystemRun:
             "host_ips": [h.ip for h in self.topo.hosts], "port_base": PORT_BASE,
             "seed": cfg.seed, "model": cfg.model, "batch": cfg.batch, "seq_len": cfg.seq_len,
             "lr": cfg.lr, "weight_decay": cfg.weight_decay,
-            "budget_s": self.end_at - start_at, "start_at": start_at,
+            "budget_s": cfg.budget_s if start_at is None else self.end_at - start_at,
+            "start_at": start_at,
+            "start_file": str(self.start_file) if start_at is None else None,
             "out_dir": str(self.dir / f"h{host}-g{gen}"), "shared_dir": str(self.shared),
             "snapshot_every_s": cfg.snapshot_every_s, "rejoin": rejoin, "knobs": {}}
         if self.system == "moshpit":
@@ -138,7 +143,7 @@ class SystemRun:
                            "checkpoint_every_s": cfg.checkpoint_every_s}
         return spec
 
-    def _launch(self, host: int, start_at: float, rejoin: bool) -> WorkerProcess:
+    def _launch(self, host: int, start_at: float | None, rejoin: bool) -> WorkerProcess:
         spec = self._spec(host, start_at, rejoin)
         self.gens[host] = self.gens.get(host, -1) + 1
         worker = WorkerProcess.start(self.topo, self.topo.hosts[host], python_for(self.system),
@@ -159,8 +164,8 @@ class SystemRun:
     def _kill(self, host: int, reason: str) -> None:
         """SIGKILL everything of the host (its cgroup): worker, daemon, helpers."""
         worker = self.current.pop(host, None)
-        if worker is not None:
-            worker.mark_killed(reason)
+        if worker is not None and worker.alive() and worker.last("done") is None:
+            worker.mark_killed(reason)  # one that finished (said `done`) was not killed
         self.topo.kill_host(self.topo.hosts[host])
         if worker is not None:
             worker.finish()
@@ -225,6 +230,7 @@ class SystemRun:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         self.shared.mkdir(parents=True, exist_ok=True)
+        self.start_file.unlink(missing_ok=True)  # an earlier run's in the same --out
         for host in self.topo.hosts:
             self.topo.set_rate(host, host.link.rate_mbit)
         sampler = Sampler(self.topo, cfg.sample_every_s)
@@ -232,12 +238,20 @@ class SystemRun:
             if self.system == "moshpit":
                 for i in range(cfg.hosts):
                     self._start_daemon(i)
-            self.start_at = time.time() + cfg.startup_s
-            self.end_at = self.start_at + cfg.budget_s
             self.ddp_world = list(range(cfg.hosts))
+            launched = time.time()
             for i in range(cfg.hosts):
-                self._launch(i, self.start_at, rejoin=False)
+                self._launch(i, None, rejoin=False)
+            self._wait_ready(launched)
+            # every host starts together: the start file, written whole, says when
+            self.start_at = time.time() + 1.0
+            self.end_at = self.start_at + cfg.budget_s
+            tmp = self.start_file.with_suffix(".tmp")
+            tmp.write_text(repr(self.start_at))
+            tmp.replace(self.start_file)
+            self.say(f"every host ready {self.start_at - launched - 1:.1f} s after launch")
             sampler.start()
+            self.tx_at_start = [self.topo.counters(h)[0] for h in self.topo.hosts]
             self._supervise()
         finally:
             for i in list(self.current):
@@ -255,21 +269,32 @@ class SystemRun:
         (self.dir / "run.json").write_text(json.dumps(record))
         return record
 
+    def _wait_ready(self, launched: float) -> None:
+        """Until every worker said `ready` (startup is not timed, so no host starts late)."""
+        while True:
+            workers = list(self.current.values())
+            if all(w.last("ready") is not None for w in workers):
+                return
+            for worker in workers:
+                if not worker.alive():
+                    worker.finish()
+                    raise RuntimeError(f"host {worker.host} exited ({worker.returncode}) before "
+                                       f"it was ready: {worker.last('error')}\n"
+                                       f"{worker.log_tail(15)}")
+            if time.time() - launched > self.cfg.startup_s:
+                late = [w.host for w in workers if w.last("ready") is None]
+                raise RuntimeError(f"hosts {late} not ready {self.cfg.startup_s:g} s after "
+                                   "launch")
+            time.sleep(0.1)
+
     def _supervise(self) -> None:
         plan = self._schedule()
-        warned_ready = False
         next_report = self.start_at + 10
         while True:
             now = time.time()
             while plan and plan[0][0] <= now:
                 _, kind, host, factor = plan.pop(0)
                 self._apply(kind, host, factor)
-            if not warned_ready and now >= self.start_at:
-                warned_ready = True
-                late = [w.host for w in self.current.values() if w.last("ready") is None]
-                if late:
-                    self.say(f"warning: hosts {late} not ready at start_at "
-                             f"({self.cfg.startup_s:g} s after launch): they start late")
             for worker in list(self.current.values()):
                 if not worker.alive() and worker.returncode is None:
                     worker.finish()
@@ -280,7 +305,9 @@ class SystemRun:
             if now >= next_report:
                 next_report += 10
                 self._report(now)
-            live = [w for w in self.current.values() if w.alive()]
+            # a worker that said `done` has nothing left to report: its teardown (hivemind's
+            # can take tens of seconds) is not waited for
+            live = [w for w in self.current.values() if w.alive() and not self._finished(w, now)]
             if now >= self.end_at and (not live or now >= self.end_at + self.cfg.final_grace_s):
                 if live:
                     self.say(f"hosts {[w.host for w in live]} still running "
@@ -290,6 +317,11 @@ class SystemRun:
                 self.say("every worker exited before the budget ended")
                 return
             time.sleep(0.2)
+
+    @staticmethod
+    def _finished(worker: WorkerProcess, now: float) -> bool:
+        done = worker.last("done")
+        return done is not None and now - float(done["recv"]) > DONE_EXIT_S
 
     def _report(self, now: float) -> None:
         parts = []
@@ -304,6 +336,7 @@ class SystemRun:
             bad = worker.count("sync", ok=False)
             parts.append(f"h{host}: {samples} smp {ok}/{ok + bad} sync")
         with contextlib.suppress(Exception):
-            tx = [self.topo.counters(h)[0] / 1e6 for h in self.topo.hosts]
-            parts.append("tx MB " + " ".join(f"{x:.0f}" for x in tx))
+            tx = [(self.topo.counters(h)[0] - sent) / 1e6
+                  for h, sent in zip(self.topo.hosts, self.tx_at_start, strict=True)]
+            parts.append("MB sent " + " ".join(f"{x:.1f}" for x in tx))
         self.say(f"t={now - self.start_at:6.1f}s " + "; ".join(parts))
