@@ -260,7 +260,7 @@ def summarize(record: dict[str, Any], losses: dict[str, float], target: float | 
     points = curve(record, losses)
     budget = record["config"]["budget_s"]
     row: dict[str, Any] = {"scenario": record["scenario"], "system": record["system"],
-                           "curve": points}
+                           "budget_s": budget, "curve": points}
     final = [losses.get(e["path"], math.nan) for _, e in _snapshot_events(record)
              if e["event"] == "done"]
     final = [x for x in final if math.isfinite(x)]

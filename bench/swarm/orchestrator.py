@@ -135,6 +135,10 @@ class SystemRun:
             "snapshot_every_s": cfg.snapshot_every_s, "rejoin": rejoin, "knobs": {}}
         if self.system == "moshpit":
             spec["ipc_socket"] = self.daemons[host]
+            # the final sync gathers the hosts alive at the end (the schedule says how many)
+            gone = {e.host_index(cfg.hosts) for e in self.scenario.events
+                    if e.kind == "preempt" and e.until is None}
+            spec["knobs"] = {"final_group": cfg.hosts - len(gone)}
         if self.system == "ddp":
             master = self.topo.hosts[self.ddp_world[0]].ip
             spec["ddp"] = {"world": list(self.ddp_world), "generation": self.ddp_generation,

@@ -45,12 +45,28 @@ def table(rows: list[dict[str, Any]], target: float | None) -> str:
     return "\n".join(lines)
 
 
+def time_table(rows: list[dict[str, Any]]) -> str:
+    """Where the time went: compute (the quota used), time inside sync calls, bytes."""
+    head = ("| system | CPU busy (of quota) | throttled s/host | in sync s/host | sent MB/s/host "
+            "| samples processed | samples lost | delayer CPU s |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for row in rows:
+        budget = row.get("budget_s") or math.nan
+        lines.append(
+            f"| {row['system']} | {_fmt(100 * row['cpu_busy'], '.0f')} % "
+            f"| {_fmt(row['throttled_s'], '.1f')} | {_fmt(row['sync_seconds_per_host'], '.1f')} "
+            f"| {_fmt(row['bytes_total'] / 1e6 / budget, '.2f')} | {row['samples_processed']} "
+            f"| {row['samples_lost']} | {_fmt(row['delayer_cpu_s'], '.1f')} |")
+    return "\n".join(lines)
+
+
 def plot(scenario: str, rows: list[dict[str, Any]], target: float | None, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=80, sharey=True)
+    any_sent = False
     for row in rows:
         points = row["curve"]
         if not points:
@@ -58,6 +74,7 @@ def plot(scenario: str, rows: list[dict[str, Any]], target: float | None, path: 
         line, = ax_t.plot([p["t"] for p in points], [p["loss"] for p in points], marker=".",
                           label=row["system"])
         sent = [p for p in points if p["bytes"] > 0]  # the log axis has no zero
+        any_sent = any_sent or bool(sent)
         ax_b.plot([p["bytes"] / 1e6 for p in sent], [p["loss"] for p in sent], marker=".",
                   color=line.get_color(), label=row["system"])
     for ax in (ax_t, ax_b):
@@ -66,7 +83,8 @@ def plot(scenario: str, rows: list[dict[str, Any]], target: float | None, path: 
         ax.grid(alpha=0.3)
     ax_t.set_xlabel("wall clock since start (s)")
     ax_b.set_xlabel("MB sent per host (eth0 tx)")
-    ax_b.set_xscale("log")
+    if any_sent:
+        ax_b.set_xscale("log")
     ax_t.set_ylabel("validation loss (nats/byte)")
     ax_t.legend(fontsize=8)
     fig.suptitle(f"{scenario}" + (f" (dashed: target {target:.3f})" if target else ""))
@@ -82,10 +100,15 @@ def write(out: Path, results: dict[str, Any]) -> str:
              f"unigram entropy of the training bytes: {_fmt(results.get('unigram_entropy'))}"]
     for name, scen in results["scenarios"].items():
         png = out / f"{name}.png"
-        plot(name, scen["rows"], target, png)
-        scen["png"] = str(png)
+        try:
+            plot(name, scen["rows"], target, png)
+            scen["png"] = str(png)
+        except Exception as exc:  # the table and JSON still get written
+            parts.append(f"\n(plot for {name} failed: {type(exc).__name__}: {exc})")
         parts.append(f"\n### {name}: {scen['description']}\n")
         parts.append(table(scen["rows"], target))
+        parts.append("\nWhere the time went:\n")
+        parts.append(time_table(scen["rows"]))
         for row in scen["rows"]:
             agree = row.get("final_models")
             if agree:
