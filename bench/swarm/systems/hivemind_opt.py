@@ -11,11 +11,21 @@ imported. Two systems share this module:
   its own gradients and the parameters are averaged once per `target_batch_size` samples.
 
 Knobs (spec.knobs overrides each):
-- `target_batch_size` = H x batch x τ, τ = 5 (moshpit.Optimizer's default `average_every`),
-  for both modes: one rule for every system but DDP, which communicates every step by
-  construction. So every peer communicates after about τ local steps, as in Moshpit SGD.
+- `target_batch_size` = H x batch x τ for both modes, with `tau` (τ) the knob Moshpit SGD
+  uses as `average_every` (default 5, moshpit.Optimizer's default): one rule for every system
+  but DDP, which communicates every step by construction. So every peer communicates after
+  about τ local steps.
 - `matchmaking_time` = 15 s, `averaging_timeout` = 60 s, `average_state_every` = 1,
-  `delay_state_averaging` = True, no compression, no offloading: hivemind.Optimizer's defaults.
+  `delay_state_averaging` = True, no compression, no offloading: hivemind.Optimizer's
+  constructor defaults (15 s is also its guide's value for training over the internet).
+
+What these defaults mean here (hivemind 1.1.12's own behaviour, not the loop's): the Optimizer
+hands its averagers min_matchmaking_time = matchmaking_time and no target group size, so a
+round waits about 15 s to gather its group; and its TrainingStateAverager runs the averaging
+round and the local optimizer steps on one single-thread executor, so with
+delay_optimizer_step=False (its default without offload_optimizer) opt.step() waits while a
+round runs. At τ = 5 an epoch is a few seconds of compute, far shorter than a round; hivemind's
+docs recommend "very large batch sizes to reduce the % of time spent on communication".
 - The DHT listens on tcp/port_base at this host's IP. Host 0 writes its visible multiaddrs
   to shared_dir/hivemind-dht-0.json; every other host bootstraps from the hosts' files it finds
   (waiting for host 0's), then writes its own, so a returning host finds live peers.
@@ -49,7 +59,7 @@ from bench.swarm.worker import Events, LocalTrainer, WorkerSpec  # noqa: E402
 from bench.swarm.workload import param_groups  # noqa: E402
 
 RUN_ID = "swarm"
-TAU = 5
+TAU = 5  # moshpit.Optimizer's default average_every: the shared `tau` knob's default
 BOOTSTRAP_WAIT_S = 120.0
 _SYNC_LINES = (  # (pattern, what was averaged, ok)
     (re.compile(r"Averaged gradients with (\d+) peers"), "gradients", True),
@@ -122,7 +132,8 @@ def run(spec: WorkerSpec, events: Events) -> None:
     hyper = spec.hyper
     opt = hivemind.Optimizer(
         dht=dht, run_id=RUN_ID, batch_size_per_step=spec.batch,
-        target_batch_size=int(spec.knob("target_batch_size", spec.hosts * spec.batch * TAU)),
+        target_batch_size=int(spec.knob("target_batch_size",
+                                        spec.hosts * spec.batch * int(spec.knob("tau", TAU)))),
         params=param_groups(trainer.model, hyper),
         optimizer=lambda params: torch.optim.AdamW(params, lr=hyper.lr),
         use_local_updates=local,

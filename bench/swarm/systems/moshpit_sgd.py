@@ -3,9 +3,9 @@
 The orchestrator starts this host's moshpitd (spec.ipc_socket) before the worker.
 
 Knobs (spec.knobs overrides each; the values below are what the benchmark uses):
-- `average_every` (τ) = 5: moshpit.Optimizer's default. The hivemind workers derive their
-  target batch from the same τ (bench/swarm/systems/hivemind_opt.py), so both local-update
-  systems average after about τ local steps per host.
+- `tau` (τ) = 5, moshpit.Optimizer's default `average_every`: a knob shared with the hivemind
+  workers, which derive their target batch from it (bench/swarm/systems/hivemind_opt.py), so
+  every local-update system averages after about τ local steps per host.
 - `grid` = (M, 2) with M = ceil(sqrt(H)): the paper's square grid, rule not tuned; host i keeps
   cell (i mod M, i div M), so a host that comes back takes its old cell.
 - `timeout` = 30 s, `group_size` = 16, `min_group_size` = 2, `overlap` = False,
@@ -27,6 +27,7 @@ import moshpit
 from bench.swarm.worker import Events, LocalTrainer, WorkerSpec
 
 KEY = "swarm"
+TAU = 5  # moshpit.Optimizer's default average_every
 CONNECT_TIMEOUT_S = 60.0
 
 
@@ -62,7 +63,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
     client = connect(spec.ipc_socket)
     opt = moshpit.Optimizer(
         trainer.optimizer, client=client, key=KEY,
-        average_every=int(spec.knob("average_every", 5)), grid=(grid[0], grid[1]),
+        average_every=int(spec.knob("tau", TAU)), grid=(grid[0], grid[1]),
         initial_coords=cell, group_size=int(spec.knob("group_size", 16)),
         min_group_size=int(spec.knob("min_group_size", 2)),
         timeout=float(spec.knob("timeout", 30.0)), overlap=bool(spec.knob("overlap", False)),
