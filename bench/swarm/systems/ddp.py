@@ -13,7 +13,8 @@ Knobs (torch's defaults, nothing tuned):
   writes the model, the optimizer, the step and every host's sample count into shared_dir.
 
 All ranks stop after the same step: each step also all-reduces (MAX) a one-element flag "my
-clock passed the deadline", issued before the forward pass so its latency overlaps compute.
+clock passed the deadline", issued before the forward pass on a process group of its own, so
+its latency overlaps compute and it never queues behind the gradients.
 Gloo binds the interface that holds this host's IP (GLOO_SOCKET_IFNAME).
 """
 
@@ -82,12 +83,13 @@ def run(spec: WorkerSpec, events: Events) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{ddp_spec.master}", rank=rank,
                             world_size=world, timeout=timeout)
     ddp = DistributedDataParallel(trainer.model)  # broadcasts rank 0's (identical) weights
+    flags = dist.new_group(backend="gloo")  # its own connections: never queues behind gradients
     trainer.wait_for_start()
     flag = torch.zeros(1)
     next_ckpt = time.time() + ddp_spec.checkpoint_every_s
     while True:
         flag[0] = 1.0 if trainer.time_left() <= 0 else 0.0
-        stop = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        stop = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flags, async_op=True)
         t0 = time.perf_counter()
         trainer.compute_loss(ddp)  # the gradients are all-reduced as backward ends
         trainer.optimizer.step()
