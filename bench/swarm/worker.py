@@ -54,6 +54,7 @@ SYSTEMS = {"ddp": "bench.swarm.systems.ddp", "moshpit": "bench.swarm.systems.mos
            "hivemind-sync": "bench.swarm.systems.hivemind_opt",
            "hivemind-local": "bench.swarm.systems.hivemind_opt"}
 PROGRESS_EVERY_S = 1.0
+START_WAIT_S = 900.0  # an orchestrator that never writes the start file has gone away
 
 log = logging.getLogger("bench.swarm.worker")
 
@@ -234,12 +235,15 @@ class LocalTrainer:
         return path
 
 
-def wait_for_file(path: Path, poll_s: float = 0.05) -> float:
+def wait_for_file(path: Path, poll_s: float = 0.05, timeout_s: float = START_WAIT_S) -> float:
     """The float in `path`, once a complete one is there (the orchestrator's start signal)."""
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             return float(path.read_text().strip())
         except (FileNotFoundError, ValueError):  # not yet written, or written half
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no start time in {path} after {timeout_s:.0f} s") from None
             time.sleep(poll_s)
 
 

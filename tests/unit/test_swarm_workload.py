@@ -157,5 +157,7 @@ def test_worker_spec_parses_and_refuses_bad_input(tmp_path: Path) -> None:
 
 def test_start_file_is_read_once_complete(tmp_path: Path) -> None:
     path = tmp_path / "start"
+    with pytest.raises(TimeoutError, match="no start time"):
+        wait_for_file(path, poll_s=0.01, timeout_s=0.05)
     path.write_text("1795559000.25\n")
     assert wait_for_file(path) == 1795559000.25
