@@ -146,11 +146,12 @@ def test_worker_spec_parses_and_refuses_bad_input(tmp_path: Path) -> None:
     spec = WorkerSpec.from_dict(_spec(tmp_path))
     assert spec.ip == "10.0.0.2" and spec.knob("tau", 5) == 3 and spec.start_at is None
     assert json.loads(json.dumps(_spec(tmp_path)))  # what the orchestrator writes is JSON
-    for bad, match in [({"system": "gossip"}, "not one of"), ({"seq_len": 32}, "context"),
-                       ({"host": 2}, "host 2 of 2"), ({"ipc_socket": None}, "ipc_socket"),
-                       ({"start_file": None}, "start_at or start_file"),
-                       ({"batch": "eight"}, "bad worker spec"),
-                       ({"system": "ddp"}, "ddp.world")]:
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"system": "gossip"}, "not one of"), ({"seq_len": 32}, "context"),
+        ({"host": 2}, "host 2 of 2"), ({"ipc_socket": None}, "ipc_socket"),
+        ({"start_file": None}, "start_at or start_file"), ({"batch": "eight"}, "bad worker spec"),
+        ({"system": "ddp"}, "ddp.world")]
+    for bad, match in cases:
         with pytest.raises(SpecError, match=match):
             WorkerSpec.from_dict(_spec(tmp_path, **bad))
 
