@@ -228,6 +228,7 @@ def _alone(args: argparse.Namespace) -> int:
     budget, trained, step, next_eval = args.minutes * 60.0, 0.0, 0, args.eval_every
     step_times: list[float] = []
     loss, train_losses = loss0, []
+    reached: tuple[int, float] | None = None  # (step, training seconds) first 30 % below
     max_steps = args.steps or sys.maxsize
     while trained < budget and step < max_steps:
         t0 = time.perf_counter()
@@ -245,6 +246,8 @@ def _alone(args: argparse.Namespace) -> int:
                 trained >= next_eval)) or at_end:
             next_eval += args.eval_every
             loss = evaluate(model.state_dict(), args.model)
+            if reached is None and loss <= 0.7 * entropy:
+                reached = (step, trained)
             print(f"{trained:8.1f} {step:6d} {loss:9.4f} {100 * (1 - loss / entropy):6.1f}% "
                   f"{statistics.fmean(train_losses):10.4f}", flush=True)
             train_losses = []
@@ -257,6 +260,9 @@ def _alone(args: argparse.Namespace) -> int:
           f"{1000 * min(step_times):.0f} ms, evaluate {1000 * eval_s:.0f} ms): "
           f"val loss {loss:.4f} nats, {below:.1f} % below the unigram entropy "
           f"({'meets' if below >= 30 else 'MISSES'} the 30 % check)")
+    if reached is not None:
+        print(f"first 30 % below at step {reached[0]} after {reached[1] / 60:.1f} min of "
+              f"training ({reached[0] * min(step_times) / 60:.1f} min at the fastest step's pace)")
     return 0 if below >= 30 else 1
 
 
