@@ -11,9 +11,11 @@ written. Needs root (network namespaces, tc, nftables, cgroups) and, for the hiv
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -65,8 +67,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds the topologies: namespaces and cgroups go too
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"[{scenario.name}/{system}] {cfg.hosts} hosts, {cfg.budget_s:g} s, model "
                     f"{cfg.model}, {cfg.cpu_cores:g} cores per host")
                 run = SystemRun(topo, scenario, system, cfg,
-                                lambda m, s=system, n=scenario.name: say(f"[{n}/{s}] {m}"))
+                                functools.partial(say_as, f"[{scenario.name}/{system}]"))
                 try:
                     records.append(run.run())
                 except Exception as exc:  # one system failing must not hide the others
@@ -198,6 +205,10 @@ def summarize(records: list[dict[str, Any]], losses: dict[str, float],
                                    "rows": [rows[id(r)] for r in records
                                             if r["scenario"] == s.name]}
                           for s in scenarios}}
+
+
+def say_as(prefix: str, message: str) -> None:
+    say(f"{prefix} {message}")
 
 
 def say(message: str) -> None:

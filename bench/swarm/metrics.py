@@ -277,12 +277,15 @@ def summarize(record: dict[str, Any], losses: dict[str, float], target: float | 
     row["failures_survived"], row["preemptions"] = failures(record)
     row.update(syncs(record))
     row.update(cpu(record))
-    # a worker the orchestrator killed (its peers' too, in a DDP restart) may complain first
-    first_kill = min((a["t"] for a in record["actions"] if a["kind"] == "preempt"),
-                     default=math.inf)
-    row["errors"] = [f"host {w['host']}: {e.get('message', '')}" for w in record["workers"]
-                     for e in w["events"] if e["event"] == "error"
-                     and not (w["killed_at"] is not None and e["t"] >= first_kill)]
+    # A worker that was replaced (killed, or failed when a peer was preempted, then
+    # restarted by the orchestrator: a DDP generation) failed as expected; its errors are
+    # counted, not reported as the run's.
+    last_gen = {w["host"]: max(x["gen"] for x in record["workers"] if x["host"] == w["host"])
+                for w in record["workers"]}
+    errors = [(w["gen"] < last_gen[w["host"]], f"host {w['host']}: {e.get('message', '')}")
+              for w in record["workers"] for e in w["events"] if e["event"] == "error"]
+    row["errors"] = [m for replaced, m in errors if not replaced]
+    row["errors_of_replaced_workers"] = sum(1 for replaced, _ in errors if replaced)
     if record["system"] == "moshpit":
         row["final_models"] = models_agree(record)
     return row
