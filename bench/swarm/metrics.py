@@ -206,10 +206,11 @@ def failures(record: dict[str, Any]) -> tuple[int, int]:
 
 
 def syncs(record: dict[str, Any]) -> dict[str, float]:
-    ok = [e for w in record["workers"] for e in w["events"]
-          if e["event"] == "sync" and e.get("ok")]
-    bad = [e for w in record["workers"] for e in w["events"]
-           if e["event"] == "sync" and not e.get("ok")]
+    """A sync counts as completed when it succeeded with at least one peer (a round that
+    found nobody and kept the local values is not one)."""
+    every = [e for w in record["workers"] for e in w["events"] if e["event"] == "sync"]
+    ok = [e for e in every if e.get("ok") and int(e.get("group_size", 2)) >= 2]
+    bad = [e for e in every if not (e.get("ok") and int(e.get("group_size", 2)) >= 2)]
     seconds = [float(e.get("seconds", 0.0)) for e in ok]
     hosts = max(1, record["config"]["hosts"])
     return {"syncs_ok": len(ok), "syncs_failed": len(bad),
@@ -233,7 +234,10 @@ def cpu(record: dict[str, Any]) -> dict[str, float]:
                          for i in range(a.shape[1])])
 
     budget = cfg["budget_s"]
-    return {"cpu_busy": float(np.mean(span(used))) / (cfg["cpu_cores"] * budget),
+    loads = [r["loadavg"] for r in rows if "loadavg" in r and start <= r["t"] <= end]
+    return {"loadavg_mean": float(np.mean(loads)) if loads else math.nan,
+            "loadavg_max": float(np.max(loads)) if loads else math.nan,
+            "cpu_busy": float(np.mean(span(used))) / (cfg["cpu_cores"] * budget),
             "throttled_s": float(np.mean(span(throttled))),
             "delayer_cpu_s": float(np.sum(span(delayer)))}
 

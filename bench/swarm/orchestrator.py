@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -78,6 +79,7 @@ class Sampler:
             row["cpu"].append(cg.cpu_seconds() if cg else 0.0)
             row["throttled"].append(cg.throttled_seconds() if cg else 0.0)
         row["delayer_cpu"] = [self.topo.delayer_cpu_seconds(h) for h in self.topo.hosts]
+        row["loadavg"] = os.getloadavg()[0]  # the whole machine: other work shows here
         self.rows.append(row)
 
     def start(self) -> None:

@@ -48,7 +48,7 @@ def table(rows: list[dict[str, Any]], target: float | None) -> str:
 def time_table(rows: list[dict[str, Any]]) -> str:
     """Where the time went: compute (the quota used), time inside sync calls, bytes."""
     head = ("| system | CPU busy (of quota) | throttled s/host | in sync s/host | sent MB/s/host "
-            "| samples processed | samples lost | delayer CPU s |")
+            "| samples processed | samples lost | delayer CPU s | machine load (mean/max) |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for row in rows:
         budget = row.get("budget_s") or math.nan
@@ -56,7 +56,8 @@ def time_table(rows: list[dict[str, Any]]) -> str:
             f"| {row['system']} | {_fmt(100 * row['cpu_busy'], '.0f')} % "
             f"| {_fmt(row['throttled_s'], '.1f')} | {_fmt(row['sync_seconds_per_host'], '.1f')} "
             f"| {_fmt(row['bytes_total'] / 1e6 / budget, '.2f')} | {row['samples_processed']} "
-            f"| {row['samples_lost']} | {_fmt(row['delayer_cpu_s'], '.1f')} |")
+            f"| {row['samples_lost']} | {_fmt(row['delayer_cpu_s'], '.1f')} "
+            f"| {_fmt(row.get('loadavg_mean'), '.1f')}/{_fmt(row.get('loadavg_max'), '.1f')} |")
     return "\n".join(lines)
 
 

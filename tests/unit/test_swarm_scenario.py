@@ -60,7 +60,7 @@ def test_unknown_file_is_a_clear_error(tmp_path: Path) -> None:
         load(tmp_path / "missing.toml")
     bad = tmp_path / "broken.toml"
     bad.write_text("hosts = [")
-    with pytest.raises(ScenarioError, match="broken.toml"):
+    with pytest.raises(ScenarioError, match=r"broken\.toml"):
         load(bad)
 
 
