@@ -9,6 +9,10 @@ Knobs (torch's defaults, nothing tuned):
   bucket, all-reduced as the backward pass ends).
 - `timeout_s` (knob, default 60): init_process_group's timeout, how long a collective waits
   for a silent peer before it fails.
+- `sync` per step: `seconds` is the time from the moment the (only, at this model's size)
+  gradient bucket goes to all-reduce until backward returns with it reduced, i.e. the
+  communication the step waited for (plus any wait for the stop flag below); `step_seconds`
+  is the whole step.
 - checkpoint every ddp.checkpoint_every_s (the orchestrator's choice, 30 s by default): rank 0
   writes the model, the optimizer, the step and every host's sample count into shared_dir.
 
@@ -31,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.swarm.worker import Events, LocalTrainer, WorkerSpec
@@ -83,6 +88,16 @@ def run(spec: WorkerSpec, events: Events) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{ddp_spec.master}", rank=rank,
                             world_size=world, timeout=timeout)
     ddp = DistributedDataParallel(trainer.model)  # broadcasts rank 0's (identical) weights
+    launched: list[float] = []  # when this step's first gradient bucket went to all-reduce
+
+    # Unannotated: DDP checks the annotations against dist.GradBucket, and with
+    # `from __future__ import annotations` they would be strings.
+    def timed_allreduce(group, bucket):  # type: ignore[no-untyped-def]
+        if not launched:
+            launched.append(time.perf_counter())
+        return allreduce_hook(group, bucket)  # DDP's own default: mean of the buckets
+
+    ddp.register_comm_hook(None, timed_allreduce)
     flags = dist.new_group(backend="gloo")  # its own connections: never queues behind gradients
     trainer.wait_for_start()
     flag = torch.zeros(1)
@@ -91,14 +106,19 @@ def run(spec: WorkerSpec, events: Events) -> None:
         flag[0] = 1.0 if trainer.time_left() <= 0 else 0.0
         stop = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flags, async_op=True)
         t0 = time.perf_counter()
-        trainer.compute_loss(ddp)  # the gradients are all-reduced as backward ends
+        launched.clear()
+        trainer.compute_loss(ddp)  # backward returns once the gradients are all-reduced
+        waited = time.perf_counter() - launched[0] if launched else 0.0
         trainer.optimizer.step()
         for h in ddp_spec.world:
             by_host[str(h)] += spec.batch
         trainer.advance()
+        t1 = time.perf_counter()
         stop.wait()
+        waited += time.perf_counter() - t1  # the flag's latency, where compute did not hide it
         stopping = flag.item() > 0
-        events.emit("sync", ok=True, group_size=world, seconds=time.perf_counter() - t0)
+        events.emit("sync", ok=True, group_size=world, seconds=waited,
+                    step_seconds=time.perf_counter() - t0)
         if rank == 0 and time.time() >= next_ckpt and not stopping:
             next_ckpt = time.time() + ddp_spec.checkpoint_every_s
             save_checkpoint(spec, trainer, by_host, ddp_spec.generation)
