@@ -14,7 +14,8 @@ Knobs (spec.knobs overrides each; the values below are what the benchmark uses):
   `final_group`, default H: the hosts alive at the end), falling back to pairs if it cannot
   gather them, so the hosts' final models agree.
 - A host that comes back (rejoin) first downloads the state from its peers
-  (`load_state_from_peers`), as the README says a joiner should.
+  (`load_state_from_peers`), as the README says a joiner should; if none answers within the
+  timeout it trains on from the initial model (its `rejoined` event carries the error).
 """
 
 from __future__ import annotations
@@ -70,8 +71,11 @@ def run(spec: WorkerSpec, events: Events) -> None:
         average_state=bool(spec.knob("average_state", False)),
         codec=str(spec.knob("codec", "none")), model=trainer.model)
     if spec.rejoin:
-        trainer.step = opt.load_state_from_peers(timeout=float(spec.knob("timeout", 30.0)))
-        events.emit("rejoined", step=trainer.step)
+        try:
+            trainer.step = opt.load_state_from_peers(timeout=float(spec.knob("timeout", 30.0)))
+            events.emit("rejoined", step=trainer.step)
+        except moshpit.MoshpitError as exc:  # train on from the initial model, averaged in later
+            events.emit("rejoined", step=0, error=f"{type(exc).__name__}: {exc}"[:200])
     trainer.wait_for_start()
     while trainer.time_left() > 0:
         trainer.compute_loss()
