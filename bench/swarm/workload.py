@@ -153,9 +153,13 @@ def param_groups(model: nn.Module, hyper: Hyper) -> list[dict[str, Any]]:
             {"params": rest, "weight_decay": 0.0}]
 
 
+def adamw(groups: Any, hyper: Hyper) -> torch.optim.AdamW:
+    """The inner optimizer of every system (hivemind builds it from its own param groups)."""
+    return torch.optim.AdamW(groups, lr=hyper.lr)
+
+
 def make_optimizer(model: nn.Module, hyper: Hyper) -> torch.optim.AdamW:
-    """The inner optimizer of every system: AdamW with `param_groups`."""
-    return torch.optim.AdamW(param_groups(model, hyper), lr=hyper.lr)
+    return adamw(param_groups(model, hyper), hyper)
 
 
 class Batches:

@@ -53,10 +53,9 @@ from typing import Any
 multiprocessing.set_start_method("fork", force=True)
 
 import hivemind  # noqa: E402  (after the start method is set)
-import torch  # noqa: E402
 
 from bench.swarm.worker import Events, LocalTrainer, WorkerSpec  # noqa: E402
-from bench.swarm.workload import param_groups  # noqa: E402
+from bench.swarm.workload import adamw, param_groups  # noqa: E402
 
 RUN_ID = "swarm"
 TAU = 5  # moshpit.Optimizer's default average_every: the shared `tau` knob's default
@@ -135,7 +134,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
         target_batch_size=int(spec.knob("target_batch_size",
                                         spec.hosts * spec.batch * int(spec.knob("tau", TAU)))),
         params=param_groups(trainer.model, hyper),
-        optimizer=lambda params: torch.optim.AdamW(params, lr=hyper.lr),
+        optimizer=lambda groups: adamw(groups, hyper),
         use_local_updates=local,
         matchmaking_time=float(spec.knob("matchmaking_time", 15.0)),
         averaging_timeout=float(spec.knob("averaging_timeout", 60.0)),
