@@ -78,11 +78,14 @@ def plot(scenario: str, rows: list[dict[str, Any]], target: float | None, path: 
         any_sent = any_sent or bool(sent)
         ax_b.plot([p["bytes"] / 1e6 for p in sent], [p["loss"] for p in sent], marker=".",
                   color=line.get_color(), label=row["system"])
+    budgets = {row["budget_s"] for row in rows if row.get("budget_s")}
+    for budget in budgets:  # points after it: final syncs and `done`
+        ax_t.axvline(budget, color="grey", linestyle=":", linewidth=0.8)
     for ax in (ax_t, ax_b):
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
         ax.grid(alpha=0.3)
-    ax_t.set_xlabel("wall clock since start (s)")
+    ax_t.set_xlabel("wall clock since start (s); dotted: end of the budget")
     ax_b.set_xlabel("MB sent per host (eth0 tx)")
     if any_sent:
         ax_b.set_xscale("log")
