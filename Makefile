@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # changes, so `make TORCH_SPEC=torch==X.Y test` on an existing .venv reinstalls torch.
 TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: all venv system-deps test test-unit test-integration fuzz demo bench soak lint proto clean \
+.PHONY: all venv peers system-deps test test-unit test-integration fuzz demo bench soak lint proto clean \
 	FORCE
 
 all: test
@@ -27,16 +27,37 @@ $(STAMP): setup.cfg pyproject.toml $(TORCH_STAMP)
 
 venv: $(STAMP)
 
+# hivemind 1.1.12 in its own venv: a system the results benchmark (bench/swarm) compares
+# against, never a dependency of moshpit. torch first (the CPU build), then hivemind with torch
+# pinned by the constraints file so pip cannot swap it.
+PEERS_VENV ?= .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+$(PEERS_STAMP): bench/peers-constraints.txt
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install --quiet --upgrade pip
+	$(PEERS_PY) -m pip install --quiet "torch==2.13.0"
+	$(PEERS_PY) -m pip install --quiet -c bench/peers-constraints.txt "hivemind==1.1.12"
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
+
 # Commands some tests run, each with the Debian package that provides it. Missing ones are
 # installed when running as root with apt-get (as CI does on a bare Debian 12); otherwise the
-# tests that need them skip. `make test SYSTEM_DEPS=` leaves the system alone.
+# tests that need them skip. `make test SYSTEM_DEPS=` leaves the system alone. An entry that
+# starts with / is a file glob instead of a command (python3-doc: bench/swarm's text corpus).
 SYSTEM_DEPS ?= prometheus:prometheus promtool:prometheus systemd-analyze:systemd \
-	ip:iproute2 nft:nftables openssl:openssl
+	ip:iproute2 nft:nftables openssl:openssl \
+	/usr/share/doc/python3*/html/_sources/glossary.rst.txt:python3-doc
 
 system-deps:
 	@missing=""; \
 	for dep in $(SYSTEM_DEPS); do \
-		command -v "$${dep%%:*}" >/dev/null 2>&1 && continue; \
+		case "$${dep%%:*}" in \
+			/*) ls -d $${dep%%:*} >/dev/null 2>&1 && continue ;; \
+			*) command -v "$${dep%%:*}" >/dev/null 2>&1 && continue ;; \
+		esac; \
 		case " $$missing " in *" $${dep#*:} "*) ;; *) missing="$$missing $${dep#*:}" ;; esac; \
 	done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
@@ -49,7 +70,7 @@ system-deps:
 		echo "system-deps: commands missing from PATH (packages:$$missing); installing needs root and apt-get, so the tests that need them will skip"; \
 	fi
 
-test: $(STAMP) system-deps
+test: $(STAMP) $(PEERS_STAMP) system-deps
 	$(PY) -m pytest -q tests
 
 test-unit: $(STAMP) system-deps

@@ -1,5 +1,5 @@
 """Namespace-side: the delaying transparent proxy and the round-trip probe. Runs as a script,
-`python tests/netns/delayer.py delay|ping ...`, inside a host's namespace (see the package
+`python netlab/delayer.py delay|ping ...`, inside a host's namespace (see the package
 docstring); it imports nothing outside the standard library but uvloop, if installed.
 """
 

@@ -1,0 +1,57 @@
+"""The results benchmark end to end, small: `python -m bench.swarm --smoke` runs every system
+(DDP, moshpit, hivemind in both modes) on 4 emulated hosts (network namespaces, CPU cgroups)
+with the tiny model for ~20 s each, then evaluates the snapshots and writes the table and plot.
+
+Asserts what a broken benchmark would not produce: at least one completed sync per system, a
+finite validation loss below the untrained model's, moshpit's hosts ending on the same model,
+and the table and PNG on disk. Needs root, ip/tc/nft, a writable CPU cgroup and .venv-peers
+(`make peers`); skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.swarm.orchestrator import PEERS_PYTHON, SYSTEMS
+from netlab import missing_prerequisites
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_smoke_runs_every_system(tmp_path: Path) -> None:
+    reason = missing_prerequisites(need_cgroup=True)
+    if reason:
+        pytest.skip(reason)
+    if not PEERS_PYTHON.exists():
+        pytest.skip(f"{PEERS_PYTHON} missing (`make peers` builds it; `make test` does)")
+    out = tmp_path / "swarm"
+    proc = subprocess.run([sys.executable, "-m", "bench.swarm", "--smoke", "--json",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = {row["system"]: row for row in results["scenarios"]["lan"]["rows"]}
+    assert set(rows) == set(SYSTEMS), proc.stderr[-6000:]
+    start = None
+    for system, row in rows.items():
+        assert row["syncs_ok"] >= 1, (system, row, proc.stderr[-4000:])
+        assert math.isfinite(row["loss_end"]) and row["loss_end_from_done"], (system, row)
+        start = row["curve"][0]["loss"]
+        assert row["curve"][0]["t"] == 0.0
+        assert row["loss_end"] < start, (system, row["curve"])
+        assert row["bytes_total"] > 0, (system, row)
+    assert rows["moshpit"]["final_models"]["agree"], rows["moshpit"]["final_models"]
+    assert results["target_source"].startswith("DDP on lan")
+    table = (out / "results.md").read_text()
+    for system in SYSTEMS:
+        assert f"| {system} |" in table
+    png = (out / "lan.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
