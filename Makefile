@@ -94,7 +94,7 @@ soak: $(STAMP)
 	$(PY) -m bench.soak --peers 8 --rounds 50
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check moshpitd client tests bench demo
+	$(VENV)/bin/ruff check moshpitd client tests bench demo netlab
 	$(VENV)/bin/mypy
 
 proto: $(STAMP)
