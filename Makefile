@@ -71,7 +71,7 @@ system-deps:
 	fi
 
 test: $(STAMP) $(PEERS_STAMP) system-deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-unit: $(STAMP) system-deps
 	$(PY) -m pytest -q tests/unit

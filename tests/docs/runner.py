@@ -220,7 +220,7 @@ def _shell(block: Block, swarm: LocalSwarm, workdir: Path) -> Iterator[
     with log.open("wb") as out:
         proc = subprocess.Popen(["bash", str(script)], cwd=workdir, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_default_sigint)
     try:
         yield proc, log
     finally:
@@ -244,6 +244,13 @@ def run_shell(block: Block, swarm: LocalSwarm, workdir: Path) -> Outcome:
     if left:
         raise _fail(block, f"left processes running: {left}", output)
     return Outcome(code, output)
+
+
+def _default_sigint() -> None:
+    """In the example's shell, before exec: SIGINT at its default. A suite run from a
+    background job starts with SIGINT ignored, which the shell and every child would inherit
+    (and a non-interactive shell cannot trap an ignored signal), so Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_until(block: Block, swarm: LocalSwarm, workdir: Path) -> Outcome:
