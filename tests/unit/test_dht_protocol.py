@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pytest
 import umsgpack
@@ -13,17 +11,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kademlia.node import Node
 
-from moshpitd.dht.protocol import SubkeyProtocol
 from moshpitd.dht.records import CLOCK_SKEW, sign
-from moshpitd.dht.storage import SubkeyStorage
-from moshpitd.identity import PeerKey
+from tests.unit.dht_fakes import (
+    ADDR,
+    KEY,
+    PEER_ID,
+    SELF_ID,
+    WRITER_A,
+    WRITER_B,
+    A,
+    B,
+    signed,
+)
+from tests.unit.dht_fakes import in_loop as _in_loop
+from tests.unit.dht_fakes import proto as _proto
+from tests.unit.dht_fakes import request as _request
 
-SELF_ID = b"\x01" * 20
-PEER_ID = b"\x02" * 20
-KEY = b"\x03" * 20
-ADDR = ("10.0.0.2", 4000)
-WRITER_A, WRITER_B = PeerKey.generate(), PeerKey.generate()
-A, B = WRITER_A.peer_id, WRITER_B.peer_id
 NOW = time.time_ns()  # record versions are writers' wall clocks in ns: set again per test
 
 
@@ -32,45 +35,6 @@ def _versions_from_now() -> None:
     """Versions must lie within the clock window when a test runs, not when it was collected."""
     global NOW
     NOW = time.time_ns()
-
-
-def signed(writer: PeerKey, value: bytes, version: int, ttl: float, key: bytes = KEY
-           ) -> tuple[bytes, bytes, bytes, int, float, list[object]]:
-    """store_sub's arguments after the sender's node id, for a record `writer` signed."""
-    proof = sign(writer, key, value, version, ttl)
-    return key, writer.peer_id, value, version, ttl, proof.wire()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, tuple[str, int]]] = []
-
-    def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.sent.append((data, addr))
-
-
-def _proto(self_id: bytes = SELF_ID, transport: bool = False) -> SubkeyProtocol:
-    storage = SubkeyStorage(clock=FakeClock())
-    proto = SubkeyProtocol(Node(self_id, "127.0.0.1", 1), storage, ksize=20, wait_timeout=1.0)
-    if transport:
-        proto.connection_made(FakeTransport())  # type: ignore[arg-type]
-    return proto
-
-
-def _in_loop(body: Callable[[], Awaitable[Any]]) -> Any:
-    return asyncio.run(asyncio.wait_for(body(), 5.0))
-
-
-def _request(name: str, *args: object, msg_id: bytes = b"\x07" * 20) -> bytes:
-    return b"\x00" + msg_id + umsgpack.packb([name, list(args)])
 
 
 # --- direct handler calls ---------------------------------------------------------------------
@@ -339,103 +303,3 @@ def test_arbitrary_datagrams_never_raise(datagram: bytes) -> None:
 
 
 # --- replication to newcomers -------------------------------------------------------------------
-
-NEAR_SELF = b"\x00" * 19 + b"\x01"  # distance 1 from the zero key
-ZERO_KEY = b"\x00" * 20
-
-
-def test_newcomer_gets_records_when_table_is_empty() -> None:
-    async def body() -> None:
-        proto = _proto(NEAR_SELF, transport=True)
-        proof = sign(WRITER_A, ZERO_KEY, b"decl", NOW + 4, 20.0)
-        proto.storage.store_sub(ZERO_KEY, A, b"decl", NOW + 4, 20.0, proof)
-        proto.storage.store_sub(ZERO_KEY, B, b"unsigned", NOW, 20.0)  # never handed on
-        newcomer = b"\x00" * 19 + b"\x02"
-        assert proto.rpc_ping(("10.0.0.9", 9), newcomer) == NEAR_SELF
-        for _ in range(5):
-            await asyncio.sleep(0)
-        sent = proto.transport.sent  # type: ignore[union-attr]
-        assert len(sent) == 1
-        data, addr = sent[0]
-        assert addr == ("10.0.0.9", 9)
-        assert data[:1] == b"\x00"
-        name, args = umsgpack.unpackb(data[21:])
-        assert name == "store_sub"
-        # as written: the original version and the writer's signature
-        assert list(args) == [NEAR_SELF, ZERO_KEY, A, b"decl", NOW + 4, 20.0, proof.wire()]
-        # the reply resolves the outstanding call
-        msg_id = data[1:21]
-        proto.datagram_received(b"\x01" + msg_id + umsgpack.packb(True), addr)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert msg_id not in proto._outstanding
-
-    _in_loop(body)
-
-
-def test_records_go_to_close_newcomer_only() -> None:
-    async def body() -> None:
-        proto = _proto(NEAR_SELF, transport=True)
-        far = b"\xf0" + b"\x00" * 19
-        proto.rpc_ping(("10.0.0.1", 1), far)  # table: one far contact, storage empty
-        proto.storage.store_sub(ZERO_KEY, A, b"decl", NOW, 20.0,
-                                sign(WRITER_A, ZERO_KEY, b"decl", NOW, 20.0))
-        sent = proto.transport.sent  # type: ignore[union-attr]
-
-        proto.rpc_ping(("10.0.0.2", 2), b"\xff" * 20)  # farther than the far contact
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert sent == []
-
-        proto.rpc_ping(("10.0.0.3", 3), b"\x00" * 19 + b"\x03")  # closer than the far contact
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert [addr for _, addr in sent] == [("10.0.0.3", 3)]
-        assert umsgpack.unpackb(sent[0][0][21:])[0] == "store_sub"
-
-        proto.rpc_ping(("10.0.0.3", 3), b"\x00" * 19 + b"\x03")  # known now: nothing more
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert len(sent) == 1
-
-    _in_loop(body)
-
-
-def test_leave_drops_the_contact_and_keeps_it_out() -> None:
-    proto = _proto()
-    other = (b"\x05" * 20, ("10.0.0.5", 4005))
-
-    async def body() -> None:
-        proto.rpc_ping(ADDR, PEER_ID)
-        proto.rpc_ping(other[1], other[0])
-        assert len(proto.router.find_neighbors(Node(KEY))) == 2
-        # a goodbye claiming another peer's id from the wrong address removes nothing
-        assert proto.rpc_leave(ADDR, other[0]) is False
-        assert proto.rpc_leave(other[1], PEER_ID) is False
-        assert proto.rpc_leave(ADDR, PEER_ID) is True
-        assert [n.id for n in proto.router.find_neighbors(Node(KEY))] == [other[0]]
-        proto.rpc_ping(ADDR, PEER_ID)  # a late datagram from it does not bring it back
-        assert [n.id for n in proto.router.find_neighbors(Node(KEY))] == [other[0]]
-        with pytest.raises(ValueError):
-            proto.rpc_leave(ADDR, b"short")
-        assert proto.rpcs == {}  # direct calls are not counted; datagrams are
-
-    _in_loop(body)
-
-
-def test_one_lost_reply_keeps_the_contact_two_drop_it() -> None:
-    proto = _proto()
-
-    async def body() -> None:
-        proto.rpc_ping(ADDR, PEER_ID)
-        node = Node(PEER_ID, *ADDR)
-        proto.handle_call_response((False, None), node)
-        assert not proto.router.is_new_node(node)  # one lost datagram: still a contact
-        proto.handle_call_response((True, PEER_ID), node)
-        proto.handle_call_response((False, None), node)
-        assert not proto.router.is_new_node(node)  # an answer in between reset the count
-        proto.handle_call_response((False, None), node)
-        assert proto.router.is_new_node(node)  # two in a row: dropped
-        assert proto.rpcs[("sent", "any", "timeout")] == 3
-
-    _in_loop(body)
