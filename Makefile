@@ -70,14 +70,20 @@ system-deps:
 		echo "system-deps: commands missing from PATH (packages:$$missing); installing needs root and apt-get, so the tests that need them will skip"; \
 	fi
 
-test: $(STAMP) $(PEERS_STAMP) system-deps
-	$(PY) -m pytest -q --durations=25 tests
+# The suite runs in TEST_JOBS processes (pytest-xdist), a file per process at a time: most of
+# its time is real daemons waiting on sockets and deadlines, not CPU. The two venvs and the
+# system packages are installed side by side first.
+TEST_JOBS ?= 3
+
+test:
+	$(MAKE) --no-print-directory -j3 $(STAMP) $(PEERS_STAMP) system-deps
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 tests
 
 test-unit: $(STAMP) system-deps
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/unit
 
 test-integration: $(STAMP) system-deps
-	$(PY) -m pytest -q tests/integration
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/integration
 
 # the fuzz tests with ten times the cases `make test` runs (MOSHPIT_FUZZ_EXAMPLES=N to change)
 fuzz: $(STAMP)
