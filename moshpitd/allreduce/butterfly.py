@@ -2,10 +2,12 @@
 
 Member j reduces span j. Every member streams its parts of span j to member j, which accumulates
 them as they arrive and streams each averaged part back as soon as it is final
-(docs/architecture.md, "The butterfly round"). The round is two roles over one plan: the sender
-side (sender.py) streams our parts to each owner and takes back the results; the reducer side
-(owner.py) reduces our span for every sender. Each owns its state; they share only the plan
-and the ledger (plan.py), and the reducer side hears from the sender side through Exclusions.
+(docs/architecture.md, "The butterfly round"). A member of weight 0 (a *listener*: a trainer
+that just joined, say) owns no span and sends no parts; it only takes the results, so nobody
+waits for it. The round is two roles over one plan: the sender side (sender.py) streams our
+parts to each owner and takes back the results; the reducer side (owner.py) reduces our span
+for every sender. Each owns its state; they share only the plan and the ledger (plan.py), and
+the reducer side hears from the sender side through Exclusions.
 
 Faults follow the round's deadlines (moshpitd/clock.py): a sender whose connection breaks is
 excluded at once, one that is silent at the deadline is excluded then (one whose bytes still

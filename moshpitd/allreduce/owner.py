@@ -53,7 +53,8 @@ class SenderSlot:
         self.plan = side.plan
         self.sender = sender
         self.channel = channel
-        self.expected = {p.index for p in side.plan.my_parts}
+        listener = side.plan.group.listeners >> sender & 1
+        self.expected = set() if listener else {p.index for p in side.plan.my_parts}
         self.staging = side.ledger.staging()
         self.outbox = Outbox()
 
@@ -125,7 +126,7 @@ class ReducerSide:
         self.hooks = hooks
         self.max_in_flight = max_in_flight
         self.reducer = PartReducer(plan.my_parts, plan.dtypes, senders=plan.size,
-                                   aggregation=aggregation)
+                                   aggregation=aggregation, listeners=plan.group.listeners)
         self.slots: dict[int, SenderSlot] = {}
         self.excluded_parts: dict[str, int] = {}  # fault kind -> parts
         self._payloads: dict[int, memoryview] = {}
@@ -142,7 +143,7 @@ class ReducerSide:
         """Our own contribution, in place where it can be (see PartReducer.seed)."""
         plan = self.plan
         weight = plan.group.members[plan.me].weight
-        for p in plan.my_parts:
+        for p in [] if plan.listening else plan.my_parts:
             if plan.fp16_range:  # fp16 refuses what it could not carry wherever it lies,
                 try:             # though our own span's values never travel as fp16
                     plan.view.check_part(p, fp16=True)
@@ -166,6 +167,9 @@ class ReducerSide:
         slot = SenderSlot(self, sender, channel)
         self.slots[sender] = slot
         self.hooks.sender_accepted()
+        for p in self.plan.my_parts:  # final before it came: a listener is not waited for
+            if p.index not in self._pending:
+                slot.outbox.put_nowait(p.index)
         task = asyncio.create_task(slot.write_results())
         self._writers.add(task)
         task.add_done_callback(self._writers.discard)
