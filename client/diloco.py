@@ -196,6 +196,11 @@ class OuterLoop:
             # skipped (every weight in the group was 0): no mean, so no outer step either
             log.info("outer round of %s skipped: every weight in its group was 0", what)
             return False
+        if sync.weight == 0 and info is not None and not info.fully_averaged:
+            # where the mean did not reach us we hold our own values, which count for nothing
+            self.failed(MoshpitError("part of the mean did not reach this trainer"),
+                        f"outer round of {what} (weight 0) incomplete, keeping the global copy")
+            return False
         if self.codec.name != "none":
             # The owner of a span keeps its exact mean; the others receive it compressed.
             # Compressed once more here (the codecs are idempotent), it is the same on every

@@ -132,6 +132,7 @@ class ReducerSide:
         self._payloads: dict[int, memoryview] = {}
         self._pending = {p.index for p in plan.my_parts}
         self._done = asyncio.Event()
+        self._joined = asyncio.Event()  # set as each stream arrives
         self._writers: set[asyncio.Task[None]] = set()
 
     @property
@@ -166,6 +167,7 @@ class ReducerSide:
             raise DataPlaneError(f"sender {sender} already streamed or was excluded")
         slot = SenderSlot(self, sender, channel)
         self.slots[sender] = slot
+        self._joined.set()
         self.hooks.sender_accepted()
         for p in self.plan.my_parts:  # final before it came: a listener is not waited for
             if p.index not in self._pending:
@@ -270,6 +272,20 @@ class ReducerSide:
             if not moving:
                 return
             deadline = min(now + stall_window, hard)
+
+    async def wait_for_listeners(self, until: float) -> None:
+        """Until every listener's stream arrived (it takes the results we hold), or `until`:
+        the start wait, as long as a member may take to learn of its group."""
+        if not self.plan.my_parts:
+            return  # nobody takes anything from us
+        listeners = self.plan.group.listeners & ~(1 << self.plan.me)
+        while any(listeners >> i & 1 and i not in self.slots for i in range(self.plan.size)):
+            self._joined.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(until - time.monotonic(), 0)):
+                    await self._joined.wait()
+            if time.monotonic() >= until:
+                return
 
     def drained(self) -> bool:
         """Every result went out (the transports may still hold views of them otherwise)."""
