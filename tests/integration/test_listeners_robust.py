@@ -8,6 +8,8 @@ their inner gradients are fixed random tensors, so every pseudo-gradient is know
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +24,7 @@ from moshpitd.allreduce.codecs import get_codec
 from moshpitd.launcher import LocalSwarm
 from tests.integration.helpers import active_keys, run_parallel, wait_until, weighted_mean
 
-SHAPES = [(700,), (13, 17), (400,), (90,)]  # two fragments: tensors 0-1 and 2-3
+SHAPES = [(700,), (13, 17), (400,), (90,)]  # two fragments: tensor 0, tensors 1-3
 LR_INNER = 0.05
 OUTLIER = 1000.0  # trainer 3's gradients are this much larger
 HANG = 3  # the daemon that hangs as soon as it takes part in a round with weight 0
@@ -46,9 +48,10 @@ def test_a_weight_0_member_owns_no_span_and_gets_the_weighted_mean(swarm: LocalS
     xs = [torch.randn(10_000, generator=gen) for _ in range(3)]
     for weights in ([1.0, 3.0, 0.0], [0.0, 2.0, 0.0]):  # ... and only one weighted member
         key = f"listen-{weights[0]:g}"
-        out = run_parallel([lambda c=c, x=x, w=w: c.average([x], key=key, weight=w,
-                                                            group_size=3, min_group_size=3,
-                                                            timeout=20)
+        out = run_parallel([lambda c=c, x=x, w=w, k=key: c.average([x], key=k, weight=w,
+                                                                   group_size=3,
+                                                                   min_group_size=3,
+                                                                   timeout=20)
                             for c, x, w in zip(clients, xs, weights, strict=True)])
         want = weighted_mean([x.numpy() for x in xs], weights)
         weighted = [c.peer_id for c, w in zip(clients, weights, strict=True) if w > 0]
@@ -163,6 +166,79 @@ def test_robust_outer_step_with_int4_and_fragments_ignores_a_huge_pseudo_gradien
             torch.testing.assert_close(g, want, rtol=0, atol=1e-5)
     for opt in opts:
         opt.close()
+
+
+def test_a_joiner_syncs_with_weight_0_owns_no_span_and_steps_like_everyone(
+        swarm: LocalSwarm) -> None:
+    """Two trainers sync twice per fragment and publish; a third loads their state at step 4
+    and syncs fragment 1 with them at step 5, one step of its own (H = 2): weight 0. Its
+    gradients are huge, so had they counted, the update would be far from the hand-computed
+    one, which averages the other two only."""
+    loaded, resumed = threading.Barrier(3), threading.Barrier(3)
+
+    def make(socket: str, ps: list[nn.Parameter]) -> moshpit.Optimizer:
+        return moshpit.Optimizer(torch.optim.SGD(ps, lr=LR_INNER), client=socket, key="join",
+                                 average_every=2, fragments=2, group_size=3,
+                                 min_group_size=2, timeout=30.0, outer_optimizer=outer_sgd(ps))
+
+    def step(opt: moshpit.Optimizer, ps: list[nn.Parameter], rank: int, at: int) -> None:
+        for p, g in zip(ps, grads(rank, at), strict=True):
+            p.grad = g
+        opt.step()
+
+    def donor(rank: int) -> moshpit.Optimizer:
+        ps = start()
+        opt = make(swarm.sockets[rank], ps)
+        for at in range(1, 5):
+            step(opt, ps, rank, at)
+        loaded.wait(60)  # the joiner downloads our state now
+        resumed.wait(60)
+        opt.min_group_size = 3  # step 5's round waits for the joiner
+        step(opt, ps, rank, 5)
+        opt.finish()
+        return opt
+
+    def joiner() -> tuple[moshpit.Optimizer, list[torch.Tensor], torch.optim.SGD]:
+        ps = [nn.Parameter(torch.zeros(s)) for s in SHAPES]
+        opt = make(swarm.sockets[2], ps)
+        loaded.wait(60)
+        assert opt.load_state_from_peers(timeout=30) == 4 and opt.diloco is not None
+        # the reference: the global copy and outer state it downloaded, stepped by hand
+        ref = [g.detach().clone().requires_grad_(True) for g in opt.diloco.global_params]
+        sgd = outer_sgd(ref)
+        sgd.load_state_dict(copy.deepcopy(opt.diloco.outer.state_dict()))  # not shared
+        resumed.wait(60)
+        opt.min_group_size = 3
+        step(opt, ps, 3, 5)  # rank 3's gradients: OUTLIER times the others'
+        opt.finish()
+        return opt, ref, sgd
+
+    *donors, joined = run_parallel([lambda: donor(0), lambda: donor(1), joiner], timeout=120)
+    assert isinstance(joined, tuple), joined
+    opt, ref, sgd = joined
+    assert opt.diloco is not None and opt.failed_rounds == 0, opt.last_error
+    fragment = opt.diloco.fragments[1]  # synced at steps 1, 3, 5: since step 3, two steps
+    for g in ref:
+        g.grad = None
+    for i in fragment:
+        ref[i].grad = sum(LR_INNER * (grads(r, 4)[i] + grads(r, 5)[i]) for r in (0, 1)) / 2
+    sgd.step()
+    info = opt.last_round
+    assert info is not None and info.group_size == 3 and info.owned == 0, info
+    ids = [moshpit.Client(s) for s in swarm.sockets[:2]]
+    assert info.spans == ((0, sum(ref[i].numel() for i in fragment),
+                           bits(info, *(c.peer_id for c in ids))),)  # the joiner's bit in none
+    for c in ids:
+        c.close()
+    for d in donors:
+        assert isinstance(d, moshpit.Optimizer) and d.diloco is not None, d
+        assert d.rounds_done == 5 and d.last_round is not None and d.last_round.owned > 0
+        for g, mine, want in zip(d.diloco.global_params, opt.diloco.global_params, ref,
+                                 strict=True):
+            assert torch.equal(g.detach(), mine.detach())  # every global copy alike
+            torch.testing.assert_close(g.detach(), want.detach(), rtol=0, atol=1e-6)
+        d.close()
+    opt.close()
 
 
 def test_a_weight_0_member_that_hangs_holds_nobody_up(swarm: LocalSwarm) -> None:

@@ -13,7 +13,8 @@ import pytest
 from moshpitd.allreduce.butterfly import ButterflyRound, RoundResult
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.group import Group, GroupMember
-from moshpitd.allreduce.layout import FlatView, TensorSpec
+from moshpitd.allreduce.layout import FlatView, Part, TensorSpec
+from moshpitd.allreduce.reducer import PartReducer, ReductionError
 from tests.unit.test_round_harness import PART_BYTES, Member, deadlines, members, run_all, stop
 
 N = 100_000
@@ -78,11 +79,38 @@ def test_one_weighted_member_among_listeners_gives_everyone_its_values() -> None
 
 def test_a_listener_that_never_comes_holds_nobody_up() -> None:
     """The weight-0 member never starts its round: the others are not waiting for its parts
-    nor for a span of its own, so they finish at once (the deadline is 10 s away)."""
+    nor for a span of its own. They only hold their results for it the start wait (1/8 of the
+    10 s budget), not until the deadline."""
     results, ms, mean, took, _ = asyncio.run(run_group([1.0, 2.0, 0.0], absent=2))
-    assert took < 2.0
+    assert took < 2.5
     for res, m in zip(results, ms, strict=True):
         assert isinstance(res, RoundResult), res
         assert res.parts_averaged == res.parts and res.excluded == 0 and not res.excluded_parts
         assert res.spans == ((0, N, 0b011),)
         np.testing.assert_allclose(m.values, mean, rtol=0, atol=1e-6)
+
+
+def test_listeners_own_a_span_only_when_no_weighted_member_can() -> None:
+    def group(*members: tuple[float, bool]) -> Group:
+        return Group(b"L" * 16, "k", 0, b"s" * 16,
+                     tuple(GroupMember(bytes([i + 1]) * 20, "", w, client_mode=c)
+                           for i, (w, c) in enumerate(members)))
+
+    g = group((1.0, False), (0.0, False), (2.0, False))
+    assert g.listeners == 0b010 and g.shares == [1.0, 0.0, 1.0]
+    # the only weighted member is in client mode: the listeners reduce, as before
+    g = group((1.0, True), (0.0, False), (0.0, False))
+    assert g.listeners == 0b110 and g.shares == [0.0, 1.0, 1.0]
+    g = group((0.0, False), (0.0, False))  # no mean at all: the round is skipped
+    assert g.listeners == 0 and g.shares == [1.0, 1.0]
+
+
+def test_a_reducer_takes_nothing_from_a_listener_and_never_waits_for_it() -> None:
+    red = PartReducer([Part(0, 0, 0, 4, 0)], {0: np.dtype(np.float32)}, senders=3,
+                      listeners=0b100)
+    assert red.lacking(2) == 0 and red.missing(0) == 0b011
+    with pytest.raises(ReductionError, match="weight 0"):
+        red.add(0, 2, 0.0, np.ones(4, dtype=np.float32))
+    assert not red.add(0, 0, 1.0, np.ones(4, dtype=np.float32))
+    assert red.add(0, 1, 3.0, np.full(4, 5.0, dtype=np.float32))  # final without sender 2
+    assert red.mask(0) == 0b011 and np.array_equal(red.result(0), np.full(4, 4.0))
