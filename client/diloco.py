@@ -5,7 +5,10 @@ Every H local steps each fragment's pseudo-gradient, global - local, is averaged
 local weights then restart from the new global copy (or mix with it: mix*local +
 (1 - mix)*global). The global copy and the outer optimizer's state live on the CPU; they are
 what joiners download. With `delay` the round runs in the background while inner steps go on,
-and its update lands `delay` steps after it started.
+and its update lands `delay` steps after it started. A trainer that joined
+(load_state_from_peers) syncs with weight 0 until it has H steps of its own: it takes the mean
+and steps like everyone, adds nothing to it, and its daemon owns no span, so nobody waits for
+it. A group whose weights are all 0 skips its round, and then nobody steps.
 
 The outer optimizer is the user's, built over the model's parameters (the torchft / OpenDiLoCo
 convention): its parameter groups are pointed at the global copy once, here.
@@ -31,8 +34,8 @@ from moshpitd.allreduce.codecs import get_codec
 log = logging.getLogger("moshpit.optimizer")
 
 RoundFuture = Future[tuple[list[torch.Tensor], RoundInfo | None]]
-# (key, tensors, samples, overrides of Client.average's arguments) -> a round running, or None
-Submit = Callable[[str, list[torch.Tensor], int, dict[str, Any]], RoundFuture | None]
+# (key, tensors, weight, overrides of Client.average's arguments) -> a round running, or None
+Submit = Callable[[str, list[torch.Tensor], float, dict[str, Any]], RoundFuture | None]
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class PendingSync:
     apply_at: int  # local step
     samples: int  # the sample count when it started
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    weight: float = 1.0
 
 
 def master_copy(p: torch.Tensor) -> torch.Tensor:
@@ -111,6 +115,8 @@ class OuterLoop:
         self.coords: tuple[int, ...] | None = None  # every fragment's run at the same cell
         self.pending: dict[int, PendingSync] = {}
         self.started = False  # the global copy is taken again just before the first step
+        self.step = 0  # the local step
+        self.joined_at: int | None = None  # the step load_state_from_peers resumed at
 
     def key_of(self, fragment: int) -> str:
         return self.key if self.config.fragments == 1 else f"{self.key}/f{fragment}"
@@ -128,6 +134,7 @@ class OuterLoop:
     def after_step(self, step: int, batch_size: int) -> None:
         """Applies the updates due at `step`, then starts the syncs due at it."""
         self.samples += batch_size
+        self.step = step
         for p in sorted(p for p, s in self.pending.items() if s.apply_at <= step):
             self._apply(self.pending.pop(p), f"fragment {p}")
         for p in self.schedule.due(step):
@@ -164,14 +171,18 @@ class OuterLoop:
     def _start(self, fragments: list[int], key: str, apply_at: int,
                overrides: dict[str, Any]) -> PendingSync | None:
         indices = [i for p in fragments for i in self.fragments[p]]
-        values, residuals = self.pseudo_gradients(indices), {}
-        if self.feedback is not None:
+        values = self.pseudo_gradients(indices)
+        residuals: dict[int, torch.Tensor] = {}
+        weight = float(max(self.samples - min(self.synced[p] for p in fragments), 1))
+        if self.joined_at is not None and self.step - self.joined_at < self.config.every:
+            weight = 0.0  # a joiner's first H steps: it takes the mean, adds nothing to it
+        elif self.feedback is not None:
             values, residuals = self.feedback.compress(indices, values)
-        samples = self.samples - min(self.synced[p] for p in fragments)
-        future = self.submit(key, values, samples, overrides)
+        future = self.submit(key, values, weight, overrides)
         if future is None:  # no daemon: counted as a failed round already
             return None
-        return PendingSync(fragments, indices, future, apply_at, self.samples, residuals)
+        return PendingSync(fragments, indices, future, apply_at, self.samples, residuals,
+                           weight)
 
     def _apply(self, sync: PendingSync, what: str) -> bool:
         """The outer step on the averaged pseudo-gradients; a failed round changes nothing
@@ -180,6 +191,15 @@ class OuterLoop:
             out, info = sync.future.result()
         except MoshpitError as exc:
             self.failed(exc, f"outer round of {what} failed, keeping the global copy")
+            return False
+        if info is not None and info.spans and not any(mask for _, _, mask in info.spans):
+            # skipped (every weight in the group was 0): no mean, so no outer step either
+            log.info("outer round of %s skipped: every weight in its group was 0", what)
+            return False
+        if sync.weight == 0 and info is not None and not info.fully_averaged:
+            # where the mean did not reach us we hold our own values, which count for nothing
+            self.failed(MoshpitError("part of the mean did not reach this trainer"),
+                        f"outer round of {what} (weight 0) incomplete, keeping the global copy")
             return False
         if self.codec.name != "none":
             # The owner of a span keeps its exact mean; the others receive it compressed.
@@ -215,7 +235,7 @@ class OuterLoop:
     def state_dict(self) -> dict[str, Any]:
         return {"global": [g.detach().clone() for g in self.global_params],
                 "outer": self.outer.state_dict(), "samples": self.samples,
-                "synced": list(self.synced),
+                "synced": list(self.synced), "step": self.step, "joined_at": self.joined_at,
                 "residuals": dict(self.feedback.residual) if self.feedback else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -226,6 +246,7 @@ class OuterLoop:
                 g.copy_(v)
         self.outer.load_state_dict(state["outer"])
         self.samples, self.synced = int(state["samples"]), [int(s) for s in state["synced"]]
+        self.step, self.joined_at = int(state.get("step", 0)), state.get("joined_at")
         if self.feedback is not None:
             self.feedback.residual = dict(state.get("residuals", {}))
 
@@ -269,4 +290,7 @@ class OuterLoop:
         self.pending.clear()
         self.started = True
         self.synced = [self.samples] * self.config.fragments
-        return int(meta.get("local_step", 0))
+        self.step = self.joined_at = int(meta.get("local_step", 0))
+        if self.feedback is not None:  # what it held belongs to another global copy
+            self.feedback.residual = {}
+        return self.joined_at

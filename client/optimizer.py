@@ -266,7 +266,7 @@ class Optimizer(WrappedOptimizer):
                 w.copy_(t)
         sent = self._samples
         try:
-            out, info = self._call(wire, sent, overrides)
+            out, info = self._call(wire, float(max(sent, 1)), overrides)
         except MoshpitError as exc:
             self._failed(exc, f"round at step {self.local_step} failed, keeping local values")
             return False
@@ -276,11 +276,11 @@ class Optimizer(WrappedOptimizer):
         self._succeeded(sent, info)
         return True
 
-    def _call(self, wire: list[torch.Tensor], samples: int,
+    def _call(self, wire: list[torch.Tensor], weight: float,
               overrides: dict[str, Any] | None = None) -> tuple[list[torch.Tensor],
                                                                 RoundInfo | None]:
-        """One round through the client; weight 1 when no sample was seen (all-zero weights
-        would make the group's mean undefined)."""
+        """One round through the client. Moshpit SGD weighs a peer that saw no sample as 1
+        (all-zero weights would make the group's mean undefined)."""
         client = self.client
         assert client is not None
         args: dict[str, Any] = dict(key=self.key, timeout=self.timeout,
@@ -288,7 +288,7 @@ class Optimizer(WrappedOptimizer):
                                     min_group_size=self.min_group_size, grid=self.grid,
                                     codec=self.codec, initial_coords=self.initial_coords,
                                     aggregation=self.aggregation)
-        out = client.average(wire, weight=float(max(samples, 1)), **{**args, **(overrides or {})})
+        out = client.average(wire, weight=weight, **{**args, **(overrides or {})})
         if len(out) != len(wire):
             raise MoshpitError(f"the client returned {len(out)} tensors for {len(wire)}")
         return list(out), getattr(client, "last_round", None)
@@ -304,11 +304,11 @@ class Optimizer(WrappedOptimizer):
             snapshot = [t.detach().clone() for t in tensors]
             for w, s in zip(wire, snapshot, strict=True):
                 w.copy_(s)
-        samples = self._samples
-        future = in_background(lambda: self._call(wire, samples), f"moshpit-average-{self.key}")
+        samples, weight = self._samples, float(max(self._samples, 1))
+        future = in_background(lambda: self._call(wire, weight), f"moshpit-average-{self.key}")
         self._pending = PendingRound(future, names, snapshot, samples)
 
-    def _submit(self, key: str, tensors: list[torch.Tensor], samples: int,
+    def _submit(self, key: str, tensors: list[torch.Tensor], weight: float,
                 overrides: dict[str, Any]) -> RoundFuture | None:
         """A DiLoCo round in the background on copies of `tensors` (None: no daemon)."""
         if not self._connect():
@@ -317,7 +317,7 @@ class Optimizer(WrappedOptimizer):
         with torch.no_grad():
             for w, t in zip(wire, tensors, strict=True):
                 w.copy_(t)
-        return in_background(lambda: self._call(wire, samples, {**overrides, "key": key}),
+        return in_background(lambda: self._call(wire, weight, {**overrides, "key": key}),
                              f"moshpit-average-{key}")
 
     def _poll(self) -> None:

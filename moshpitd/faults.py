@@ -11,15 +11,17 @@ one part on every link), slow-send (pauses SLOW_SECONDS once, then goes on), tri
 (sleeps TRICKLE_SECONDS before every part: slow but never silent), crash-while-reducing (at a
 contribution), stall-reduce, poison-results (a reducer puts an Inf into the first result on
 each of its streams), die-mid-serve (a state donor exits after sending part of a range to a
-joiner; ROUND is ignored). The crashes, and stall-send's marker, wait until every other
-member's stream reached us (`sender_accepted`): the fault then surely lands mid-round for
-everyone.
+joiner; ROUND is ignored), hang-listener (the whole daemon hangs, its event loop blocked like
+a stopped host, as the first round in which it has weight 0 starts; ROUND is ignored). The
+crashes, and stall-send's marker, wait until every other member's stream reached us
+(`sender_accepted`): the fault then surely lands mid-round for everyone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +30,8 @@ from moshpitd.allreduce.codecs import Codec
 from moshpitd.hooks import Hooks
 
 KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send", "trickle-send",
-         "crash-while-reducing", "stall-reduce", "poison-results", "die-mid-serve"}
+         "crash-while-reducing", "stall-reduce", "poison-results", "die-mid-serve",
+         "hang-listener"}
 STALL_SECONDS = 3600.0
 SLOW_SECONDS = 1.5
 TRICKLE_SECONDS = 0.3
@@ -64,7 +67,10 @@ class FaultPlan(Hooks):
             raise ValueError(f"MOSHPITD_FAULT={spec!r}: unknown fault (one of {sorted(KINDS)})")
         return cls(kind, int(at or 1), os.environ.get("MOSHPITD_FAULT_MARKER"))
 
-    def begin_round(self, link_parts: list[int], senders: int) -> None:
+    def begin_round(self, link_parts: list[int], senders: int, listening: bool = False) -> None:
+        if listening and self.kind == "hang-listener":
+            self._fire()
+            time.sleep(STALL_SECONDS)  # blocks the whole daemon: nothing of it answers
         self.rounds += 1
         self.stalling = sum(1 for n in link_parts if n > 1)
         self.stalled = self.accepted = 0

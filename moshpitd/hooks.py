@@ -15,9 +15,9 @@ from moshpitd.allreduce.codecs import Codec
 class Hooks:
     """The points themselves; every method does nothing here."""
 
-    def begin_round(self, link_parts: list[int], senders: int) -> None:
+    def begin_round(self, link_parts: list[int], senders: int, listening: bool = False) -> None:
         """A round starts: `link_parts` parts go to each other owner, `senders` members
-        stream parts to us."""
+        stream parts to us; `listening`: we have weight 0 (we only take the results)."""
 
     def sender_accepted(self) -> None:
         """A member's stream reached us as a reducer."""

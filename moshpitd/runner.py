@@ -167,6 +167,9 @@ class RoundRunner:
             total = sum(s.numel for s in view.specs)
             return RoundOutcome(rec, group, ((0, total, 0),) if total else (), members)
         try:
+            if group.listeners >> group.index_of(self.me.peer_id) & 1:
+                # we send nothing (weight 0), so no reducer checks our values: check them here
+                await _refuse_alone(view, codec)
             result = await self._allreduce(group, view, clock, request.aggregation)
         except BaseException:
             self.rounds.record(key, n, 0, 0, start, assembled, "allreduce_failed", codec)

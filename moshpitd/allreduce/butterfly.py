@@ -2,10 +2,13 @@
 
 Member j reduces span j. Every member streams its parts of span j to member j, which accumulates
 them as they arrive and streams each averaged part back as soon as it is final
-(docs/architecture.md, "The butterfly round"). The round is two roles over one plan: the sender
-side (sender.py) streams our parts to each owner and takes back the results; the reducer side
-(owner.py) reduces our span for every sender. Each owns its state; they share only the plan
-and the ledger (plan.py), and the reducer side hears from the sender side through Exclusions.
+(docs/architecture.md, "The butterfly round"). A member of weight 0 (a *listener*: a trainer
+that just joined, say) owns no span and sends no parts; it only takes the results. Nobody waits
+for its parts, and an owner holds its results for it at most the start wait (as long as a
+member may take to learn of its group). The round is two roles over one plan: the sender side
+(sender.py) streams our parts to each owner and takes back the results; the reducer side
+(owner.py) reduces our span for every sender. Each owns its state; they share only the plan and
+the ledger (plan.py), and the reducer side hears from the sender side through Exclusions.
 
 Faults follow the round's deadlines (moshpitd/clock.py): a sender whose connection breaks is
 excluded at once, one that is silent at the deadline is excluded then (one whose bytes still
@@ -96,13 +99,15 @@ class ButterflyRound:
         start = time.monotonic()
         sender = SenderSide(self.plan, self.ledger, self._connect, self.hooks, self.reducer,
                             self._seal_hello, self._max_in_flight, deadlines.start_wait_until)
-        self.hooks.begin_round(self.plan.link_parts(), self.plan.senders())
+        self.hooks.begin_round(self.plan.link_parts(), self.plan.senders(), self.plan.listening)
         sender.start(deadlines.deadline)
         self.reducer.seed_own()
         leaving = False
         try:
             await self.reducer.wait_for_senders(deadlines.deadline, deadlines.hard,
                                                 deadlines.stall_window)
+            await self.reducer.wait_for_listeners(min(deadlines.start_wait_until,
+                                                      deadlines.deadline))
             await self._wait_for_owners(sender, deadlines)
             sender.fail_unanswered("no result by the round's deadline")
         except BaseException:

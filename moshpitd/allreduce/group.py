@@ -34,10 +34,24 @@ class Group:
         raise KeyError(peer_id.hex())
 
     @property
+    def listeners(self) -> int:
+        """Bitmask of the members of weight 0 (a joiner, say) in a group that has a weighted
+        mean: they contribute nothing, so nobody waits for their parts; they only receive the
+        result. 0 when every weight is 0 (that round is skipped: runner.py)."""
+        if not any(m.weight > 0 for m in self.members):
+            return 0
+        return sum(1 << i for i, m in enumerate(self.members) if not m.weight > 0)
+
+    @property
     def shares(self) -> list[float]:
-        """Span shares: client-mode peers accept no connections, so they own nothing."""
-        return [0.0 if m.client_mode or not math.isfinite(m.bandwidth)
+        """Span shares: client-mode peers accept no connections, and listeners are not waited
+        for (a joiner may be slow, or leave), so they own nothing; a listener owns a span only
+        when no weighted member can."""
+        able = [0.0 if m.client_mode or not math.isfinite(m.bandwidth)
                 else min(max(m.bandwidth, 1e-9), 1e12) for m in self.members]
+        listeners = self.listeners
+        weighted = [0.0 if listeners >> i & 1 else s for i, s in enumerate(able)]
+        return weighted if any(weighted) else able
 
     def to_proto(self) -> pb.GroupInfo:
         return pb.GroupInfo(

@@ -53,7 +53,8 @@ class SenderSlot:
         self.plan = side.plan
         self.sender = sender
         self.channel = channel
-        self.expected = {p.index for p in side.plan.my_parts}
+        listener = side.plan.group.listeners >> sender & 1
+        self.expected = set() if listener else {p.index for p in side.plan.my_parts}
         self.staging = side.ledger.staging()
         self.outbox = Outbox()
 
@@ -125,12 +126,13 @@ class ReducerSide:
         self.hooks = hooks
         self.max_in_flight = max_in_flight
         self.reducer = PartReducer(plan.my_parts, plan.dtypes, senders=plan.size,
-                                   aggregation=aggregation)
+                                   aggregation=aggregation, listeners=plan.group.listeners)
         self.slots: dict[int, SenderSlot] = {}
         self.excluded_parts: dict[str, int] = {}  # fault kind -> parts
         self._payloads: dict[int, memoryview] = {}
         self._pending = {p.index for p in plan.my_parts}
         self._done = asyncio.Event()
+        self._joined = asyncio.Event()  # set as each stream arrives
         self._writers: set[asyncio.Task[None]] = set()
 
     @property
@@ -142,7 +144,7 @@ class ReducerSide:
         """Our own contribution, in place where it can be (see PartReducer.seed)."""
         plan = self.plan
         weight = plan.group.members[plan.me].weight
-        for p in plan.my_parts:
+        for p in [] if plan.listening else plan.my_parts:
             if plan.fp16_range:  # fp16 refuses what it could not carry wherever it lies,
                 try:             # though our own span's values never travel as fp16
                     plan.view.check_part(p, fp16=True)
@@ -165,7 +167,11 @@ class ReducerSide:
             raise DataPlaneError(f"sender {sender} already streamed or was excluded")
         slot = SenderSlot(self, sender, channel)
         self.slots[sender] = slot
+        self._joined.set()
         self.hooks.sender_accepted()
+        for p in self.plan.my_parts:  # final before it came: a listener is not waited for
+            if p.index not in self._pending:
+                slot.outbox.put_nowait(p.index)
         task = asyncio.create_task(slot.write_results())
         self._writers.add(task)
         task.add_done_callback(self._writers.discard)
@@ -266,6 +272,20 @@ class ReducerSide:
             if not moving:
                 return
             deadline = min(now + stall_window, hard)
+
+    async def wait_for_listeners(self, until: float) -> None:
+        """Until every listener's stream arrived (it takes the results we hold), or `until`:
+        the start wait, as long as a member may take to learn of its group."""
+        if not self.plan.my_parts:
+            return  # nobody takes anything from us
+        listeners = self.plan.group.listeners & ~(1 << self.plan.me)
+        while any(listeners >> i & 1 and i not in self.slots for i in range(self.plan.size)):
+            self._joined.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(until - time.monotonic(), 0)):
+                    await self._joined.wait()
+            if time.monotonic() >= until:
+                return
 
     def drained(self) -> bool:
         """Every result went out (the transports may still hold views of them otherwise)."""

@@ -47,6 +47,11 @@ class RoundPlan:
     def size(self) -> int:
         return len(self.group.members)
 
+    @property
+    def listening(self) -> bool:
+        """We have weight 0: we send no parts, only receive the results."""
+        return bool(self.group.listeners >> self.me & 1)
+
     def part(self, index: int) -> Part | None:
         return self.parts[index] if 0 <= index < len(self.parts) else None
 
@@ -55,6 +60,8 @@ class RoundPlan:
 
     def link_parts(self) -> list[int]:
         """How many parts we stream to each other owner."""
+        if self.listening:
+            return []
         return [len(ps) for owner, ps in self.by_owner.items() if owner != self.me]
 
     def senders(self) -> int:
@@ -63,12 +70,14 @@ class RoundPlan:
 
     def wire_bytes(self) -> int:
         """Payload bytes this member sends plus receives in a healthy round, in the codec's
-        encoding: each other owner's part goes out and comes back averaged; each part of ours
-        comes in from every other member and goes back to each. The unit the round's deadline
-        is learnt in (moshpitd/clock.py)."""
+        encoding: each other owner's part goes out (unless we listen) and comes back averaged;
+        each part of ours comes in from every other weighted member and goes back to every
+        other member. The unit the round's deadline is learnt in (moshpitd/clock.py)."""
         mine = sum(self.encoded_size(p) for p in self.my_parts)
         theirs = sum(self.encoded_size(p) for p in self.parts) - mine
-        return 2 * theirs + 2 * (self.size - 1) * mine
+        others = self.size - 1
+        contributors = others - bin(self.group.listeners & ~(1 << self.me)).count("1")
+        return (1 if self.listening else 2) * theirs + (contributors + others) * mine
 
 
 class Ledger:

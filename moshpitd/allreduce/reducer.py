@@ -1,6 +1,7 @@
 """Weighted accumulation of one owner's parts as contributions arrive, with exclusions.
 
-A part is final once every sender that is still in the round has contributed to it. Excluding a
+A part is final once every sender that is still in the round has contributed to it; senders of
+weight 0 (listeners: a joiner, say) are not waited for, and contribute nothing. Excluding a
 sender (it died, stalled past the round's deadline, or sent garbage) keeps what it already
 delivered in the mean and finalises the parts that were waiting only for it. Each part's result
 says exactly which senders it averages (a bitmask), so every returned element can be checked.
@@ -79,8 +80,10 @@ class _Slot:
 
 class PartReducer:
     def __init__(self, parts: Iterable[Part], dtypes: dict[int, np.dtype], senders: int,
-                 aggregation: str = "mean", pool: ArrayPool = ACCUMULATORS) -> None:
+                 aggregation: str = "mean", pool: ArrayPool = ACCUMULATORS,
+                 listeners: int = 0) -> None:
         self.expected = senders
+        self.listeners = listeners  # bitmask of senders of weight 0: not waited for
         self.pool = pool
         self.aggregation = check_aggregation(aggregation)
         self.excluded = 0  # bitmask of excluded senders
@@ -99,6 +102,9 @@ class PartReducer:
         bit = 1 << sender
         if not 0 <= sender < self.expected or self.excluded & bit:
             raise ReductionError(f"sender {sender} is not (or no longer) in this round")
+        if self.listeners & bit:
+            raise ReductionError(f"sender {sender} has weight 0 in this round: it contributes "
+                                 "nothing")
         if slot.mask & bit:
             raise ReductionError(f"sender {sender} sent part {part_index} twice")
         if isinstance(values, np.ndarray):
@@ -187,6 +193,8 @@ class PartReducer:
     def lacking(self, sender: int) -> int:
         """How many of our parts have nothing from sender yet."""
         bit = 1 << sender
+        if self.listeners & bit:
+            return 0
         return sum(1 for slot in self._slots.values() if not slot.mask & bit)
 
     def exclude(self, sender: int) -> list[int]:
@@ -198,14 +206,18 @@ class PartReducer:
         self.excluded |= bit
         return [i for i in self._slots if i not in before and self.is_final(i)]
 
+    @property
+    def waiting(self) -> int:
+        """Bitmask of the senders whose contributions a part waits for."""
+        return ((1 << self.expected) - 1) & ~self.excluded & ~self.listeners
+
     def is_final(self, part_index: int) -> bool:
-        waiting = ((1 << self.expected) - 1) & ~self.excluded
+        waiting = self.waiting
         return self._slots[part_index].mask & waiting == waiting
 
     def missing(self, part_index: int) -> int:
         """Bitmask of the senders still in the round that have not delivered the part."""
-        waiting = ((1 << self.expected) - 1) & ~self.excluded
-        return waiting & ~self._slots[part_index].mask
+        return self.waiting & ~self._slots[part_index].mask
 
     def mask(self, part_index: int) -> int:
         """Senders averaged into the part's result; 0 when there is no average."""

@@ -226,9 +226,10 @@ class SenderSide:
             if self.seal_hello is not None:
                 hello = self.seal_hello(hello, self.plan.me, link.owner)
             await channel.send(HELLO, link.owner, hello, aux=self.plan.me)
-            await self.gate.wait(deadline)  # every owner has the round: see ReadyGate
+            if not self.plan.listening:  # a listener sends nothing, it waits for results
+                await self.gate.wait(deadline)  # every owner has the round: see ReadyGate
             codec, view = self.plan.codec, self.plan.view
-            for i, p in enumerate(link.parts):
+            for i, p in enumerate([] if self.plan.listening else link.parts):
                 while link.in_flight(i) >= self.max_in_flight and not link.done.is_set():
                     link.progress.clear()  # the owner is behind: wait for its next answer
                     await link.progress.wait()

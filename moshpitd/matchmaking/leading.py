@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 # 2: owners answer a data-plane HELLO with READY (a daemon of version 1 would take that frame
 # for a protocol error), so daemons of different versions do not form groups.
-PROTOCOL_VERSION = 2
+# 3: members of weight 0 own no span and send no parts (a version-2 daemon would plan other
+# spans and wait for their parts).
+PROTOCOL_VERSION = 3
 
 
 @dataclass

@@ -327,3 +327,36 @@ def test_weights_loaded_after_building_the_optimizer_start_the_global_copy() -> 
         constant_step(model, opt)
     for sent in fake.calls[0]["sent"]:  # two steps of lr 0.1, gradient 1: not 3 - init
         torch.testing.assert_close(sent, torch.full_like(sent, 0.2), rtol=0, atol=1e-12)
+
+
+def test_a_joiner_adds_weight_0_until_it_has_h_steps_and_a_skipped_round_steps_nothing(
+        ) -> None:
+    model, fake = model4(), FakeClient()
+    opt = make(model, fake, average_every=4)
+    for _ in range(4):
+        constant_step(model, opt)
+    joiner_model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3)).double()
+    joiner_fake = FakeClient(published=fake.published)
+    joiner = make(joiner_model, joiner_fake, average_every=4, fragments=2, codec="int4")
+    assert joiner.diloco is not None and joiner.diloco.feedback is not None
+    joiner.diloco.feedback.residual = {0: torch.ones(5, 6, dtype=torch.float64)}  # stale
+    joiner.local_step = joiner.diloco.download(joiner_fake, "run/state", 1.0)  # type: ignore[arg-type]
+    assert joiner.local_step == 4 and joiner.diloco.feedback.residual == {}
+    for step in range(5, 13):  # fragment 1 syncs at steps 6 and 10, fragment 0 at 8 and 12
+        constant_step(model=joiner_model, opt=joiner, batch_size=2)
+        if step == 6:  # a weight-0 sync keeps no residual: its values entered no mean
+            assert joiner.rounds_done == 1 and joiner.diloco.feedback.residual == {}
+    assert [(c["key"], c["step"], c["weight"]) for c in joiner_fake.calls] == [
+        ("run/f1", 6, 0.0), ("run/f0", 8, 8.0), ("run/f1", 10, 8.0), ("run/f0", 12, 8.0)]
+    assert joiner.rounds_done == 4
+    # a round whose group had only weight 0 was skipped by the daemon (every mask 0):
+    # no outer step, the local weights go on, the next sync covers these steps too
+    global_before = [g.detach().clone() for g in joiner.diloco.global_params]
+    joiner_fake.last_round = RoundInfo(2, 0.0, 0.0, 0, 0, spans=((0, 35, 0),))
+    for _ in range(2):
+        constant_step(model=joiner_model, opt=joiner)
+    assert joiner_fake.calls[-1]["step"] == 14 and joiner.rounds_done == 4
+    assert joiner.failed_rounds == 0
+    assert all(torch.equal(g.detach(), b) for g, b in zip(joiner.diloco.global_params,
+                                                          global_before, strict=True))
+    assert not torch.equal(next(joiner_model.parameters()).detach(), global_before[0])
