@@ -43,11 +43,14 @@ class SharedBuffer:
         finally:
             os.close(fd)
         self.size = size
+        self.users = 0  # requests in flight that use it (ipc/session.py)
 
     def view(self) -> memoryview:
         return memoryview(self.mmap)
 
-    def close(self) -> None:
-        # numpy views still alive keep the mapping; it goes with the last of them
+    def close(self) -> bool:
+        """Unmaps it; False if views of it are still alive (the mapping then stays until they
+        are gone and close is called again)."""
         with contextlib.suppress(BufferError):
             self.mmap.close()
+        return bool(self.mmap.closed)

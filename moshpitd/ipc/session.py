@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 
 MAX_BUFFER = 16 << 30
 MAX_INFLIGHT = 8
+# Mappings one session may hold: its attached buffers, and those replaced by a new attach while
+# a request still used them (freed as soon as none does). Each is a memfd mapped into the daemon,
+# so a trainer attaching without end would otherwise exhaust the daemon's memory maps.
+MAX_BUFFERS = 64
 ROUND_OPS = frozenset({"average", "publish_state", "download_state"})  # refused while draining
 
 # What a failure inside an op's work is called, by type, first match. Refusals of the request
@@ -121,6 +126,7 @@ class Session:
         for buf in [*self.buffers.values(), *self._retired]:
             buf.close()
         self.buffers.clear()
+        self._retired.clear()
         self.conn.close()
 
     async def dispatch(self, frame: dict[str, Any]) -> bool:
@@ -190,6 +196,7 @@ class Session:
             if fd is None:
                 raise FieldError("attach", "size", "announces a memfd that did not come: pass "
                                  "one with SCM_RIGHTS in the same message")
+            self._check_room(req.buffer)
             owned, fd = fd, None
             new = SharedBuffer(owned, req.size, MAX_BUFFER)  # closes it, whatever happens
         except BufferError_ as exc:
@@ -198,22 +205,49 @@ class Session:
             if fd is not None:
                 os.close(fd)
         old = self.buffers.get(req.buffer)
-        if old is not None:
-            self._retired.append(old)  # requests in flight may still use it
         self.buffers[req.buffer] = new
+        if old is not None:
+            self._retired.append(old)
+            self._free_retired()  # unless requests in flight still use it
         return wire.AttachReply(req.size, req.buffer)
 
+    def _check_room(self, bid: int) -> None:
+        self._free_retired()  # views a finished request left may be gone by now
+        old = self.buffers.get(bid)
+        held = len(self.buffers) + len(self._retired) + (old is None or old.users > 0)
+        if held > MAX_BUFFERS:
+            raise IPCError(ErrorCode.INVALID_REQUEST, (
+                f"attach: this session would hold {held} shared buffers, over the daemon's "
+                f"limit of {MAX_BUFFERS} ({len(self.buffers)} attached, {len(self._retired)} "
+                "replaced but still used by requests in flight): attach under buffer ids "
+                "already in use, or wait for those requests"))
+
+    def _free_retired(self) -> None:
+        """Unmap every replaced buffer that no request uses any more."""
+        self._retired = [b for b in self._retired if b.users or not b.close()]
+
+    def _release(self, buffer: SharedBuffer, _: object = None) -> None:
+        buffer.users -= 1
+        if not buffer.users and buffer in self._retired:
+            self._free_retired()
+
     def _start(self, op: str, fields: dict[str, Any], rid: Any) -> None:
+        used: SharedBuffer | None = None  # the shared buffer the request works in, if any
         if op == "average":
             req = wire.decode(wire.AverageRequest, fields)
-            work: Coroutine[Any, Any, wire.Message] = self._average(
-                self._average_request(req), self._buffer(op, req.buffer))
+            request = self._average_request(req)
+            used = self._buffer(op, req.buffer)
+            work: Coroutine[Any, Any, wire.Message] = self._average(request, used)
         elif op == "publish_state":
-            work = self._publish(wire.decode(wire.PublishStateRequest, fields))
+            pub = wire.decode(wire.PublishStateRequest, fields)
+            used = self._buffer(op, pub.buffer)
+            work = self._publish(pub, used)
         elif op == "state_info":
             work = self._state_info(wire.decode(wire.StateInfoRequest, fields))
         elif op == "download_state":
-            work = self._download(wire.decode(wire.DownloadStateRequest, fields))
+            down = wire.decode(wire.DownloadStateRequest, fields)
+            used = self._buffer(op, down.buffer)
+            work = self._download(down, used)
         else:
             wire.decode(wire.PeersRequest, fields)
             work = self._peers()
@@ -224,6 +258,9 @@ class Session:
         task = asyncio.create_task(self._reply_when_done(work, op, rid))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if used is not None:  # a re-attach under its id unmaps it once the request is done
+            used.users += 1
+            task.add_done_callback(functools.partial(self._release, used))
 
     async def _reply_when_done(self, work: Coroutine[Any, Any, wire.Message], op: str,
                                rid: Any) -> None:
@@ -302,9 +339,9 @@ class Session:
         return wire.PeersReply(peers["contacts"], peers["runs"])
 
     # --- live state for joiners (moshpitd/state.py) -------------------------------------
-    async def _publish(self, req: wire.PublishStateRequest) -> wire.PublishStateReply:
-        view = FlatView(self._buffer(req.OP, req.buffer).view(), _specs(req.OP, req.tensors))
-        data, packed = view.pack()
+    async def _publish(self, req: wire.PublishStateRequest, buffer: SharedBuffer
+                       ) -> wire.PublishStateReply:
+        data, packed = FlatView(buffer.view(), _specs(req.OP, req.tensors)).pack()
         version = await self._store().publish(req.key, packed, req.meta, data, req.version)
         return wire.PublishStateReply(version, len(data))
 
@@ -315,10 +352,10 @@ class Session:
                                    list(info.get("tensors", [])), dict(info.get("meta", {})),
                                    len(holders))
 
-    async def _download(self, req: wire.DownloadStateRequest) -> wire.DownloadStateReply:
+    async def _download(self, req: wire.DownloadStateRequest, buffer: SharedBuffer
+                        ) -> wire.DownloadStateReply:
         # one deadline, the request's, for finding a donor and downloading from it
         deadline = time.monotonic() + req.timeout
-        buffer = self._buffer(req.OP, req.buffer)
         store = self._store()
         _, info, holders = await store.header(req.key, self.node.pool, req.timeout,
                                               req.version)
