@@ -24,7 +24,7 @@ from moshpitd.allreduce.butterfly import AllreduceError
 from moshpitd.allreduce.codecs import CODECS
 from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, specs_from_wire
 from moshpitd.ipc import schema as wire
-from moshpitd.ipc.buffer import BufferError_, SharedBuffer
+from moshpitd.ipc.buffer import COLLECT_EVERY, BufferError_, SharedBuffer, unmap
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
 from moshpitd.ipc.schema import ErrorCode, FieldError, IPCError
 from moshpitd.matchmaking.errors import DuplicateRequest, MatchmakingError, SchemaMismatch
@@ -49,10 +49,11 @@ log = logging.getLogger(__name__)
 
 MAX_BUFFER = 16 << 30
 MAX_INFLIGHT = 8
-# Mappings one session may hold: its attached buffers, and those replaced by a new attach while
-# a request still used them (freed as soon as none does). Each is a memfd mapped into the daemon,
-# so a trainer attaching without end would otherwise exhaust the daemon's memory maps.
-MAX_BUFFERS = 64
+# Mappings one session may hold: a buffer per id (wire.MAX_BUFFERS ids), and buffers replaced by
+# a new attach while requests in flight still used them (at most one per request), freed as soon
+# as none does. Each is a trainer's memfd mapped into the daemon: a trainer attaching again and
+# again must not exhaust the daemon's memory maps.
+MAX_MAPPINGS = wire.MAX_BUFFERS + MAX_INFLIGHT
 ROUND_OPS = frozenset({"average", "publish_state", "download_state"})  # refused while draining
 
 # What a failure inside an op's work is called, by type, first match. Refusals of the request
@@ -123,8 +124,9 @@ class Session:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for buf in [*self.buffers.values(), *self._retired]:
-            buf.close()
+        left = unmap([*self.buffers.values(), *self._retired])
+        if left:  # once the collector may run again; what is still held goes with its views
+            asyncio.get_running_loop().call_later(2 * COLLECT_EVERY, unmap, left)
         self.buffers.clear()
         self._retired.clear()
         self.conn.close()
@@ -215,16 +217,17 @@ class Session:
         self._free_retired()  # views a finished request left may be gone by now
         old = self.buffers.get(bid)
         held = len(self.buffers) + len(self._retired) + (old is None or old.users > 0)
-        if held > MAX_BUFFERS:
+        if held > MAX_MAPPINGS:
             raise IPCError(ErrorCode.INVALID_REQUEST, (
                 f"attach: this session would hold {held} shared buffers, over the daemon's "
-                f"limit of {MAX_BUFFERS} ({len(self.buffers)} attached, {len(self._retired)} "
-                "replaced but still used by requests in flight): attach under buffer ids "
-                "already in use, or wait for those requests"))
+                f"limit of {MAX_MAPPINGS} ({len(self.buffers)} attached, {len(self._retired)} "
+                "replaced but still in use by requests or by views of them): wait for those "
+                "requests before attaching again"))
 
     def _free_retired(self) -> None:
         """Unmap every replaced buffer that no request uses any more."""
-        self._retired = [b for b in self._retired if b.users or not b.close()]
+        self._retired = [*(b for b in self._retired if b.users),
+                         *unmap(b for b in self._retired if not b.users)]
 
     def _release(self, buffer: SharedBuffer, _: object = None) -> None:
         buffer.users -= 1
