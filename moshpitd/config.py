@@ -103,7 +103,9 @@ class Settings:
         Float(0.0, 1e12, open_low=True), 1.0, AVERAGING,
         "relative share of each averaged vector this peer reduces: a peer with 3.0 reduces "
         "three times as much as one with 1.0",
-        note="Raise it on machines with a fast network link.")
+        note="Raise it on machines with a fast network link. Bandwidths are self-reported, so "
+        "no peer reduces more than twice an equal share of a group's vector, whatever it "
+        "declares.")
     client_mode: bool = option(
         BOOL, False, AVERAGING,
         "this peer cannot accept incoming connections (behind NAT without port forwarding): "

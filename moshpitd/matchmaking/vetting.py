@@ -7,6 +7,7 @@ reducers can compute. The checks are pure; `DeclarationBook` holds what the DHT 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from moshpitd.matchmaking.request import MatchRequest
 MAX_WEIGHT_RATIO = 1e12
 
 Lookup = Callable[[bytes], Declaration | None]
+
+log = logging.getLogger(__name__)
 
 
 def weights_fault(weights: Sequence[float]) -> str | None:
@@ -120,7 +123,10 @@ class DeclarationBook:
         await asyncio.shield(self._reading)
 
     async def _read_once(self) -> None:
-        self.absorb(await self.read())
+        try:
+            self.absorb(await self.read())
+        except Exception as exc:  # what we hold is still checked; an unknown member fails
+            log.debug("reading declarations failed: %r", exc)
 
     async def vouched(self, check: Callable[[Lookup], str | None]) -> str | None:
         """`check` against what we read; if it fails, once more after reading the key again
