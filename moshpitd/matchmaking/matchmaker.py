@@ -93,7 +93,8 @@ class Matchmaker:
         self.req = request
         self._wake = asyncio.Event()
         self.book = DeclarationBook(lambda: dht.get_subs(request.key, max_ttl=DECLARATION_TTL),
-                                    (me.peer_id, self.declaration))
+                                    (me.peer_id, self.declaration),
+                                    lambda: dht.local_subs(request.key, DECLARATION_TTL))
         self.leading = GroupLeader(me, request, self._wake.set, self.book, hooks)
         self.policy = AssemblyPolicy(request.target_size, request.min_size,
                                      request.settle_seconds)

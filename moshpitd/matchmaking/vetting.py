@@ -97,6 +97,7 @@ class DeclarationBook:
 
     read: Callable[[], Awaitable[Mapping[bytes, Any]]]  # DHTNode.get_subs under the key
     mine: tuple[bytes, Declaration] | None = None
+    local: Callable[[], Mapping[bytes, Any]] | None = None  # DHTNode.local_subs: no lookup
 
     def __post_init__(self) -> None:
         self._latest: dict[bytes, tuple[int, Declaration]] = {}
@@ -129,10 +130,15 @@ class DeclarationBook:
             log.debug("reading declarations failed: %r", exc)
 
     async def vouched(self, check: Callable[[Lookup], str | None]) -> str | None:
-        """`check` against what we read; if it fails, once more after reading the key again
-        (a peer may have declared since our last poll)."""
+        """`check` against what we read; if it fails, against what this daemon holds as a
+        replica, then once more after reading the key again (a peer may have declared since
+        our last poll)."""
         why = check(self.get)
         if why is None:
             return None
+        if self.local is not None:  # what this daemon holds as a replica: no lookup
+            self.absorb(self.local())
+            if check(self.get) is None:
+                return None
         await self.refresh()
         return check(self.get)

@@ -134,3 +134,23 @@ def test_join_admission_bounds_per_peer_and_in_total() -> None:
     joins.release(a)
     assert joins.admit(c) is None and joins.held == 3
     assert dict(joins.refused) == {"per_peer": 1, "in_flight": 1}
+
+
+def test_the_book_looks_in_the_local_replica_before_the_network() -> None:
+    reads = 0
+    m = member(3)
+    held = {m.peer_id: SubRecord(declaration(m).pack(), 1, 1.0)}
+
+    async def read() -> dict[bytes, SubRecord]:
+        nonlocal reads
+        reads += 1
+        return {}
+
+    async def main() -> None:
+        book = DeclarationBook(read, None, lambda: held)
+        assert await book.vouched(lambda get: None if get(m.peer_id) else "unknown") is None
+        assert reads == 0  # a replica of the key already held it: no lookup
+        assert await book.vouched(lambda get: None if get(b"x" * 20) else "unknown") \
+            == "unknown" and reads == 1
+
+    asyncio.run(main())
