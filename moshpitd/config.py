@@ -103,7 +103,9 @@ class Settings:
         Float(0.0, 1e12, open_low=True), 1.0, AVERAGING,
         "relative share of each averaged vector this peer reduces: a peer with 3.0 reduces "
         "three times as much as one with 1.0",
-        note="Raise it on machines with a fast network link.")
+        note="Raise it on machines with a fast network link. Bandwidths are self-reported, so "
+        "no peer reduces more than twice an equal share of a group's vector, whatever it "
+        "declares.")
     client_mode: bool = option(
         BOOL, False, AVERAGING,
         "this peer cannot accept incoming connections (behind NAT without port forwarding): "
@@ -190,6 +192,14 @@ class Settings:
         "memory this daemon's DHT store may hold, records and their bookkeeping counted",
         note="When full, the keys least recently written or read are dropped first, so a flood "
         "of new keys cannot lock new rounds out.")
+    join_max_in_flight: int = option(
+        Int(1, 1 << 16), 1024, LIMITS,
+        "Join calls (peers asking this daemon to lead them) held open at once, over all keys",
+        note="A leader holds a follower's call until its group assembles; a call past the "
+        "limit is refused at once, and the peer asks another leader.")
+    join_max_per_peer: int = option(
+        Int(1, 1 << 10), 8, LIMITS,
+        "Join calls one peer id may have open on this daemon at once, over all keys")
     max_ipc_sessions: int = option(Int(1, 1 << 16), 64, LIMITS, "trainer connections at once")
     max_message_bytes: int = option(
         Int(1 << 16, 1 << 30, unit="bytes"), 64 << 20, LIMITS,

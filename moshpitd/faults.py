@@ -12,9 +12,11 @@ one part on every link), slow-send (pauses SLOW_SECONDS once, then goes on), tri
 contribution), stall-reduce, poison-results (a reducer puts an Inf into the first result on
 each of its streams), die-mid-serve (a state donor exits after sending part of a range to a
 joiner; ROUND is ignored), hang-listener (the whole daemon hangs, its event loop blocked like
-a stopped host, as the first round in which it has weight 0 starts; ROUND is ignored). The
-crashes, and stall-send's marker, wait until every other member's stream reached us
-(`sender_accepted`): the fault then surely lands mid-round for everyone.
+a stopped host, as the first round in which it has weight 0 starts; ROUND is ignored),
+tamper-group (a leader alters each group it sends its followers, in turn: TAMPERINGS; ROUND is
+ignored; the marker names the latest). The crashes, and stall-send's marker, wait until every
+other member's stream reached us (`sender_accepted`): the fault then surely lands mid-round for
+everyone.
 """
 
 from __future__ import annotations
@@ -22,19 +24,38 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from moshpitd.allreduce.codecs import Codec
+from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.hooks import Hooks
 
 KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send", "trickle-send",
          "crash-while-reducing", "stall-reduce", "poison-results", "die-mid-serve",
-         "hang-listener"}
+         "hang-listener", "tamper-group"}
 STALL_SECONDS = 3600.0
 SLOW_SECONDS = 1.5
 TRICKLE_SECONDS = 0.3
+
+
+# What tamper-group does to the groups it leads, in turn: another codec than the one asked for;
+# every follower's bandwidth 0 (which handed the leader every part); a member nobody declared;
+# the leader's own weight 1e308 (which overflowed reducers' sums to Inf).
+TAMPERINGS = ("codec", "bandwidth", "phantom", "weight")
+
+
+def tampered(group: Group, how: str) -> Group:
+    lead, *rest = group.members
+    if how == "codec":
+        return replace(group, codec="int8" if group.codec != "int8" else "none")
+    if how == "bandwidth":
+        return replace(group, members=(lead, *(replace(m, bandwidth=0.0) for m in rest)))
+    if how == "phantom":
+        ghost = GroupMember(os.urandom(20), "127.0.0.1:9", 1.0, data_endpoint="127.0.0.1:9")
+        return replace(group, members=(*group.members, ghost))
+    return replace(group, members=(replace(lead, weight=1e308), *rest))
 
 
 def poisoned(codec: Codec, payload: memoryview | bytes, n: int, dtype: np.dtype) -> memoryview:
@@ -56,6 +77,7 @@ class FaultPlan(Hooks):
     accepted: int = 0  # of them, streams that reached us
     reducing: bool = False  # crash-while-reducing: a contribution arrived
     engaged: asyncio.Event = field(default_factory=asyncio.Event)
+    led: int = 0  # groups led so far (tamper-group)
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -148,3 +170,13 @@ class FaultPlan(Hooks):
         if self.kind == "die-mid-serve" and chunks_sent == 2:
             await asyncio.sleep(0.5)
             self._crash()
+
+    def leading(self, group: Group) -> Group:
+        if self.kind != "tamper-group":
+            return group
+        how = TAMPERINGS[self.led % len(TAMPERINGS)]
+        self.led += 1
+        if self.marker:
+            with open(self.marker, "w") as f:
+                f.write(how)
+        return tampered(group, how)

@@ -1,4 +1,5 @@
-"""Where a test may act inside the daemon: points in a round and in a state download.
+"""Where a test may act inside the daemon: points in a round, in a state download and where a
+leader sends its group.
 
 Production runs the no-op `Hooks`; the fault tests install `moshpitd.faults.FaultPlan` through
 the daemon's entry point when MOSHPITD_FAULT is set (moshpitd/service.py). Nothing on the hot
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from moshpitd.allreduce.codecs import Codec
+from moshpitd.allreduce.group import Group
 
 
 class Hooks:
@@ -36,6 +38,10 @@ class Hooks:
 
     async def serving_state(self, chunks_sent: int) -> None:
         """A donor streams a range of its state, `chunks_sent` chunks in."""
+
+    def leading(self, group: Group) -> Group:
+        """A leader assembled `group`; returns the group it sends its followers."""
+        return group
 
 
 NO_HOOKS = Hooks()

@@ -92,6 +92,13 @@ class Metrics:
               registry=self.registry).set_function(lambda: store.records)
         self.registry.register(_DHTStoreCollector(store, records))
 
+    def watch_joins(self, refused: Callable[[], Mapping[str, int]]) -> None:
+        """Join calls refused at once for a bound (join_max_in_flight, join_max_per_peer)."""
+        self.registry.register(_LabelledCounts(
+            "moshpitd_joins_refused", "Join calls refused because the daemon already held "
+            "join_max_in_flight of them, or join_max_per_peer from the asking peer id",
+            "limit", ("in_flight", "per_peer"), refused))
+
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
 
@@ -108,6 +115,21 @@ class _AuthCollector(Collector):
                                      "window", labels=["plane"])
         for plane, count in sorted(self.rejected().items()):
             family.add_metric([plane], count)
+        yield family
+
+
+class _LabelledCounts(Collector):
+    """One counter family read at scrape time, every label value present from the start."""
+
+    def __init__(self, name: str, doc: str, label: str, values: tuple[str, ...],
+                 counts: Callable[[], Mapping[str, int]]) -> None:
+        self.name, self.doc, self.label, self.values, self.counts = name, doc, label, values, counts
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self.name, self.doc, labels=[self.label])
+        counts = self.counts()
+        for value in self.values:
+            family.add_metric([value], counts.get(value, 0))
         yield family
 
 

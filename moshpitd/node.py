@@ -19,6 +19,7 @@ from moshpitd.clock import stream_wait
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.hooks import NO_HOOKS, Hooks
+from moshpitd.matchmaking.admission import JoinAdmission
 from moshpitd.matchmaking.errors import DuplicateRequest
 from moshpitd.matchmaking.matchmaker import (
     Matchmaker,
@@ -72,6 +73,8 @@ class MoshpitNode:
             "dht_record": sum(self.dht.verifier.refused.values())})
         self.metrics.watch_dht_store(self.dht.storage, self.dht.verifier)
         self.hooks = hooks  # the fault tests' (service.py installs them)
+        self.joins = JoinAdmission(config.join_max_in_flight, config.join_max_per_peer)
+        self.metrics.watch_joins(lambda: self.joins.refused)
         self.data_endpoint = ""
         self._active: dict[str, asyncio.Task[Any]] = {}  # key -> the request averaging it
         self.log = RoundLog(self.metrics)
@@ -253,6 +256,13 @@ class MoshpitNode:
         if mm is None:
             yield not_looking(request.group_key)
             return
-        async for response in mm.handle_join(request):
-            yield response
+        why = self.joins.admit(request.peer_id)
+        if why is not None:
+            yield pb.JoinResponse(code=pb.GROUP_FULL, message=why)
+            return
+        try:
+            async for response in mm.handle_join(request):
+                yield response
+        finally:
+            self.joins.release(request.peer_id)
 

@@ -192,7 +192,7 @@ class RoundRunner:
             client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data, self.config.bandwidth)
-        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe)
+        mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe, self.hooks)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt
                                                       else clock.remaining()))

@@ -5,6 +5,9 @@ round; its daemon keeps a copy, so donors' trainers are never blocked by a downl
 announces itself under `{run}/donors`. A joiner's daemon downloads byte ranges from several
 donors of the latest version at once; a range whose donor dies moves to another donor, resuming
 at the byte where it stopped.
+
+Which donors a joiner takes the state from is judged in donors.py: versions that no other
+peer's record comes near are refused, and bytes are vouched for only where holders agree.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ import msgpack
 from grpc import aio
 
 from moshpitd.dht.network import DHTNode
+from moshpitd.donors import (
+    HEADER_WAIT_MAX,
+    HEADER_WAIT_MIN,
+    MAX_HEADER,
+    Donor,
+    agreed,
+    headers,
+    vouched,
+)
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
@@ -32,13 +44,7 @@ DONOR_TTL = 120.0  # s a donor record lives: a trainer republishes far more ofte
 CHUNK = 1 << 20  # bytes of state per streamed StateChunk
 RANGE = 4 << 20  # bytes per digested range: what a download checks and moves between donors
 MAX_DONORS = 4  # donors one download reads from at once
-MAX_HEADER = 1 << 20  # bytes of a state header (tensor list, meta, one digest per range)
 MAX_STATE_BYTES = 1 << 40  # a donor record announcing more is malformed (max_request_bytes' cap)
-# Protocol constants of finding a donor, not options: none depends on the link or the swarm,
-# and the request's own timeout bounds the whole search.
-HEADER_WAIT_MAX = 5.0  # s for one donor to answer a header request (one small message): one
-# that is hung or unreachable must not take the whole timeout from the other holders
-HEADER_WAIT_MIN = 0.1  # s: a donor asked as the deadline passes still gets a real try
 DONOR_POLL = 0.2  # s between DHT lookups while no donor has answered (e.g. none published
 # yet): each lookup asks the k closest nodes, and a new donor is found within this
 LEASE = 60.0  # a version a joiner asked for stays served this long after its last request
@@ -69,14 +75,6 @@ class Snapshot:
     grace_until: float = 0.0  # just replaced: a joiner may have read its record
 
 
-@dataclass(frozen=True)
-class Donor:
-    peer_id: bytes
-    endpoint: str
-    version: int
-    total: int
-
-
 @dataclass
 class StateStore:
     dht: DHTNode
@@ -85,6 +83,7 @@ class StateStore:
     snapshots: dict[str, list[Snapshot]] = field(default_factory=dict)  # oldest first
     hooks: Hooks = NO_HOOKS  # the fault tests act here
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    _warned: set[tuple[bytes, int]] = field(default_factory=set)  # refused versions logged
 
     async def publish(self, key: str, tensors: list[list[Any]], meta: dict[str, Any],
                       data: bytes, version: int | None = None) -> int:
@@ -174,6 +173,7 @@ class StateStore:
 
     # --- downloading --------------------------------------------------------------------
     async def donors(self, key: str) -> list[Donor]:
+        """The donors a joiner may take the state from (see `vouched`)."""
         out = []
         for pid, rec in (await self.dht.get_subs(f"{key}/donors", max_ttl=DONOR_TTL)).items():
             if pid == self.peer_id:
@@ -185,7 +185,14 @@ class StateStore:
                     out.append(Donor(pid, endpoint, version, total))
             except Exception:  # a malformed record is no donor
                 continue
-        return out
+        kept, refused = vouched(out)
+        for d in refused:
+            if (d.peer_id, d.version) not in self._warned and len(self._warned) < 1024:
+                self._warned.add((d.peer_id, d.version))
+                log.warning("state of %r: donor %s announces version %d, beyond what any "
+                            "other peer's record shows (%d at most): not taken", key,
+                            d.peer_id.hex()[:8], d.version, kept[0].version)
+        return kept
 
     async def header(self, key: str, pool: ChannelPool, timeout: float, version: int = 0
                      ) -> tuple[Donor, dict[str, Any], list[Donor]]:
@@ -203,20 +210,20 @@ class StateStore:
             for v in versions:
                 holders = [d for d in donors if d.version == v or (version and d.version > v)]
                 gone = 0  # holders that answered they no longer have it
-                for d in holders:
+                for batch in range(0, len(holders), MAX_DONORS):
                     wait = min(max(deadline - time.monotonic(), HEADER_WAIT_MIN),
                                HEADER_WAIT_MAX)
-                    try:
-                        chunk = await _first(pool, d, pb.StateRequest(key=key, length=0,
-                                                                      version=v), wait)
-                        info = _check_header(msgpack.unpackb(chunk.header), chunk.total)
-                        holders = [replace(h, version=v, total=chunk.total) for h in holders]
-                        first = replace(d, version=v, total=chunk.total)
-                        return first, info, [first, *(h for h in holders if h != first)]
-                    except (aio.AioRpcError, TimeoutError, ValueError) as exc:
-                        log.info("state donor %s failed: %r", d.endpoint, exc)
-                        gone += isinstance(exc, aio.AioRpcError) and exc.code() in (
-                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+                    answers, lost = await headers(key, v, holders[batch:batch + MAX_DONORS],
+                                                   pool, wait)
+                    gone += lost
+                    if not answers:
+                        continue
+                    same = agreed(answers)
+                    if same is not None:  # their bytes must be the same: theirs is taken
+                        answers, holders = same, [d for d, _, _ in same]
+                    first, info, _ = answers[0]
+                    holders = [replace(h, version=v, total=first.total) for h in holders]
+                    return first, info, [first, *(h for h in holders if h != first)]
                 if version and holders and gone == len(holders):  # waiting will not bring it back
                     raise StateUnavailable(f"no donor offers version {version} of run {key!r} "
                                            "any more")
@@ -293,26 +300,3 @@ class _BadRange(ValueError):
     """A range's bytes do not match its digest: the donor holds other bytes."""
 
 
-def _check_header(info: Any, total: int) -> dict[str, Any]:
-    """A donor's header must describe `total` bytes in digested ranges."""
-    if not isinstance(info, dict):
-        raise ValueError("state header is not a map")
-    size, digests = info.get("range"), info.get("digests")
-    if not (isinstance(size, int) and size > 0 and isinstance(digests, list)
-            and len(digests) == -(-total // size)
-            and all(isinstance(d, bytes) and len(d) == 16 for d in digests)):
-        raise ValueError("state header does not describe its byte ranges")
-    return info
-
-
-async def _first(pool: ChannelPool, donor: Donor, request: pb.StateRequest,
-                 timeout: float) -> pb.StateChunk:
-    call = pool.download(donor.endpoint, request, timeout)
-    try:
-        async for chunk in call:
-            if len(chunk.header) > MAX_HEADER:
-                raise ValueError("state header too large")
-            return chunk
-    finally:
-        call.cancel()
-    raise ValueError("donor sent nothing")

@@ -185,15 +185,45 @@ def span_bounds(total: int, shares: Sequence[float]) -> list[int]:
     return [int(b) for b in bounds]
 
 
+# The most of the vector one owner reduces, in equal shares among the owners (members with a
+# share above 0). Bandwidths are self-reported and a reducer decides its span's result: one
+# declaring a huge bandwidth would otherwise reduce, and see, nearly the whole vector.
+SHARE_CAP = 2.0
+
+
+def capped_shares(shares: Sequence[float], cap: float = SHARE_CAP) -> list[float]:
+    """`shares` as fractions of the vector, none above `cap` equal shares: the excess goes to
+    the other owners in proportion to their shares (water-filling, one pass per newly capped
+    owner). Every member computes the same from the same shares. Shares that span_bounds
+    would refuse are returned as they are, for it to refuse."""
+    arr = np.asarray(shares, dtype=np.float64)
+    if arr.size == 0 or not np.isfinite(arr).all() or (arr < 0).any() or arr.max() <= 0:
+        return list(shares)
+    owners = arr > 0
+    limit = cap / int(owners.sum())
+    x = arr / arr.max()  # the largest is 1: the sum cannot overflow
+    x /= x.sum()
+    fixed = np.zeros(arr.size, dtype=bool)
+    while True:
+        over = ~fixed & (x > limit * (1 + 1e-9))
+        if not over.any():
+            return [float(v) for v in x]
+        fixed |= over
+        x[fixed] = limit
+        free = owners & ~fixed  # what the capped ones gave up, spread over the rest
+        x[free] *= (1.0 - limit * int(fixed.sum())) / x[free].sum()
+
+
 def plan_parts(runs: Sequence[Run], shares: Sequence[float],
                part_bytes: int = DEFAULT_PART_BYTES, codec: Codec = CODECS["none"]
                ) -> list[Part]:
-    """Every (run, span) intersection cut into parts of at most part_bytes on the wire: a
+    """Every (run, span) intersection cut into parts of at most part_bytes on the wire (no
+    span above SHARE_CAP equal shares, see capped_shares): a
     codec that compresses gets parts with more values, so a part costs the same per frame.
     With a block codec (int8, int4) every part starts on a block boundary of its run (span
     bounds move to the nearest one), so the run encoded whole has the round's blocks."""
     total = sum(r.numel for r in runs)
-    bounds = span_bounds(total, shares)
+    bounds = span_bounds(total, capped_shares(shares))
     block = codec.block
     parts: list[Part] = []
     run_start = 0

@@ -219,8 +219,9 @@ class ReducerSide:
                 self.reducer.result_into(index, pieces)
             else:  # kept whole: it is the one payload that goes back to each sender
                 plan.view.write(part, self.reducer.result(index))
-            # contributions were checked as they arrived, so a result that is not finite (or
-            # that fp16 cannot carry) comes from our own values (or overflowed): refuse it
+            # contributions were checked as they arrived and weigh at most 1 (unit_weights),
+            # so a result that is not finite (or that fp16 cannot carry) comes from our own
+            # values (or a sum of values near the dtype's limit): refuse it
             if not self.ledger.check(part):
                 mask = 0  # every member keeps its own values here
         self.ledger.apply(index, mask)

@@ -8,7 +8,9 @@ things they share are these, and the ledger is written through its methods.
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,12 +27,26 @@ log = logging.getLogger("moshpitd.allreduce.butterfly")
 STAGING = ArrayPool(32 << 20)
 
 
+def unit_weights(group: Group) -> Group:
+    """The group with every weight divided by the largest, as reducers weigh contributions:
+    each value then enters a weighted sum at most once, so no member's weight, however large,
+    pushes the sum past the dtype's range (a weight of 1e308 used to overflow it to Inf, and
+    the reducer's own trainer was told its values were not finite). The mean is the same;
+    equal weights become 1.0, which a reducer adds without a multiply."""
+    top = max((m.weight for m in group.members), default=0.0)
+    if top == 1.0 or not (top > 0 and math.isfinite(top)):
+        return group
+    return replace(group, members=tuple(replace(m, weight=m.weight / top)
+                                        for m in group.members))
+
+
 class RoundPlan:
-    """The group, our place in it, the trainer's buffer and its parts: fixed for the round."""
+    """The group (its weights scaled by unit_weights), our place in it, the trainer's buffer
+    and its parts: fixed for the round."""
 
     def __init__(self, group: Group, me: int, view: FlatView, codec: Codec,
                  part_bytes: int) -> None:
-        self.group = group
+        self.group = unit_weights(group)
         self.me = me
         self.view = view
         self.codec = codec

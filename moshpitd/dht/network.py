@@ -206,22 +206,29 @@ class DHTNode(Server):
         when the withdrawal is decided if it may run after a newer declaration is made."""
         return await self.store_sub(key, subkey, b"", ttl, version)
 
+    def local_subs(self, key: str, max_ttl: float | None = None, live_only: bool = True
+                   ) -> dict[bytes, SubRecord]:
+        """The records under `key` that this node holds as a replica (each verified when it
+        was stored), with no lookup: in a swarm of fewer than k daemons, every record."""
+        out = {}
+        for sk, (rec, ttl) in self.storage.signed(digest(key)).items():
+            if rec.proof is not None and (max_ttl is None or rec.proof.ttl <= max_ttl):
+                out[sk] = SubRecord(rec.value, rec.version, ttl)
+        return {sk: r for sk, r in out.items() if r.value and r.ttl > 0} if live_only else out
+
     async def get_subs(self, key: str, max_ttl: float | None = None) -> dict[bytes, SubRecord]:
         """Ask every one of the k closest nodes and merge (highest version wins per subkey).
         Only records their writers signed are merged. `max_ttl`: the longest lifetime a
         record of this kind has; one signed for longer (a version dated far back that would
         still be alive) is ignored."""
         dkey = digest(key)
-        merged: dict[bytes, SubRecord] = {}
+        merged: dict[bytes, SubRecord] = self.local_subs(key, max_ttl, live_only=False)
 
         def merge(sk: bytes, value: bytes, version: int, ttl: float) -> None:
             old = merged.get(sk)
             if old is None or (old.version, old.ttl) < (version, ttl):
                 merged[sk] = SubRecord(value, version, ttl)
 
-        for sk, (rec, ttl) in self.storage.signed(dkey).items():
-            if rec.proof is not None and (max_ttl is None or rec.proof.ttl <= max_ttl):
-                merge(sk, rec.value, rec.version, ttl)
         nodes = await self._nearest(dkey)
         answers = await self._quorum([self.protocol.call_find_subs(n, dkey) for n in nodes])
         now = time.time()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import mmap
 import os
 import stat
+import time
+from collections.abc import Iterable
 
 
 class BufferError_(ValueError):
@@ -14,6 +17,12 @@ class BufferError_(ValueError):
 
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+# A finished round's objects hold views of the trainer's buffer in reference cycles until the
+# garbage collector runs, and a mapping with views cannot be closed. A failed close runs a
+# collection, at most one per COLLECT_EVERY (a trainer must not make the daemon collect without
+# pause).
+COLLECT_EVERY = 1.0  # s
+_last_collect = -COLLECT_EVERY
 
 
 class SharedBuffer:
@@ -43,11 +52,25 @@ class SharedBuffer:
         finally:
             os.close(fd)
         self.size = size
+        self.users = 0  # requests in flight that use it (ipc/session.py)
 
     def view(self) -> memoryview:
         return memoryview(self.mmap)
 
-    def close(self) -> None:
-        # numpy views still alive keep the mapping; it goes with the last of them
+    def close(self) -> bool:
+        """Unmaps it; False if views of it are still alive (the mapping then stays until they
+        are gone and close is called again)."""
         with contextlib.suppress(BufferError):
             self.mmap.close()
+        return bool(self.mmap.closed)
+
+
+def unmap(buffers: Iterable[SharedBuffer]) -> list[SharedBuffer]:
+    """Closes the buffers; returns those still mapped (views of them still alive)."""
+    global _last_collect
+    left = [b for b in buffers if not b.close()]
+    if left and time.monotonic() - _last_collect >= COLLECT_EVERY:
+        _last_collect = time.monotonic()
+        gc.collect()
+        left = [b for b in left if not b.close()]
+    return left

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ from moshpitd.allreduce.butterfly import AllreduceError
 from moshpitd.allreduce.codecs import CODECS
 from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, specs_from_wire
 from moshpitd.ipc import schema as wire
-from moshpitd.ipc.buffer import BufferError_, SharedBuffer
+from moshpitd.ipc.buffer import COLLECT_EVERY, BufferError_, SharedBuffer, unmap
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
 from moshpitd.ipc.schema import ErrorCode, FieldError, IPCError
 from moshpitd.matchmaking.errors import DuplicateRequest, MatchmakingError, SchemaMismatch
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 
 MAX_BUFFER = 16 << 30
 MAX_INFLIGHT = 8
+# Mappings one session may hold: a buffer per id (wire.MAX_BUFFERS ids), and buffers replaced by
+# a new attach while requests in flight still used them (at most one per request), freed as soon
+# as none does. Each is a trainer's memfd mapped into the daemon: a trainer attaching again and
+# again must not exhaust the daemon's memory maps.
+MAX_MAPPINGS = wire.MAX_BUFFERS + MAX_INFLIGHT
 ROUND_OPS = frozenset({"average", "publish_state", "download_state"})  # refused while draining
 
 # What a failure inside an op's work is called, by type, first match. Refusals of the request
@@ -118,9 +124,11 @@ class Session:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for buf in [*self.buffers.values(), *self._retired]:
-            buf.close()
+        left = unmap([*self.buffers.values(), *self._retired])
+        if left:  # once the collector may run again; what is still held goes with its views
+            asyncio.get_running_loop().call_later(2 * COLLECT_EVERY, unmap, left)
         self.buffers.clear()
+        self._retired.clear()
         self.conn.close()
 
     async def dispatch(self, frame: dict[str, Any]) -> bool:
@@ -190,6 +198,7 @@ class Session:
             if fd is None:
                 raise FieldError("attach", "size", "announces a memfd that did not come: pass "
                                  "one with SCM_RIGHTS in the same message")
+            self._check_room(req.buffer)
             owned, fd = fd, None
             new = SharedBuffer(owned, req.size, MAX_BUFFER)  # closes it, whatever happens
         except BufferError_ as exc:
@@ -198,22 +207,50 @@ class Session:
             if fd is not None:
                 os.close(fd)
         old = self.buffers.get(req.buffer)
-        if old is not None:
-            self._retired.append(old)  # requests in flight may still use it
         self.buffers[req.buffer] = new
+        if old is not None:
+            self._retired.append(old)
+            self._free_retired()  # unless requests in flight still use it
         return wire.AttachReply(req.size, req.buffer)
 
+    def _check_room(self, bid: int) -> None:
+        self._free_retired()  # views a finished request left may be gone by now
+        old = self.buffers.get(bid)
+        held = len(self.buffers) + len(self._retired) + (old is None or old.users > 0)
+        if held > MAX_MAPPINGS:
+            raise IPCError(ErrorCode.INVALID_REQUEST, (
+                f"attach: this session would hold {held} shared buffers, over the daemon's "
+                f"limit of {MAX_MAPPINGS} ({len(self.buffers)} attached, {len(self._retired)} "
+                "replaced but still in use by requests or by views of them): wait for those "
+                "requests before attaching again"))
+
+    def _free_retired(self) -> None:
+        """Unmap every replaced buffer that no request uses any more."""
+        self._retired = [*(b for b in self._retired if b.users),
+                         *unmap(b for b in self._retired if not b.users)]
+
+    def _release(self, buffer: SharedBuffer, _: object = None) -> None:
+        buffer.users -= 1
+        if not buffer.users and buffer in self._retired:
+            self._free_retired()
+
     def _start(self, op: str, fields: dict[str, Any], rid: Any) -> None:
+        used: SharedBuffer | None = None  # the shared buffer the request works in, if any
         if op == "average":
             req = wire.decode(wire.AverageRequest, fields)
-            work: Coroutine[Any, Any, wire.Message] = self._average(
-                self._average_request(req), self._buffer(op, req.buffer))
+            request = self._average_request(req)
+            used = self._buffer(op, req.buffer)
+            work: Coroutine[Any, Any, wire.Message] = self._average(request, used)
         elif op == "publish_state":
-            work = self._publish(wire.decode(wire.PublishStateRequest, fields))
+            pub = wire.decode(wire.PublishStateRequest, fields)
+            used = self._buffer(op, pub.buffer)
+            work = self._publish(pub, used)
         elif op == "state_info":
             work = self._state_info(wire.decode(wire.StateInfoRequest, fields))
         elif op == "download_state":
-            work = self._download(wire.decode(wire.DownloadStateRequest, fields))
+            down = wire.decode(wire.DownloadStateRequest, fields)
+            used = self._buffer(op, down.buffer)
+            work = self._download(down, used)
         else:
             wire.decode(wire.PeersRequest, fields)
             work = self._peers()
@@ -224,6 +261,9 @@ class Session:
         task = asyncio.create_task(self._reply_when_done(work, op, rid))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if used is not None:  # a re-attach under its id unmaps it once the request is done
+            used.users += 1
+            task.add_done_callback(functools.partial(self._release, used))
 
     async def _reply_when_done(self, work: Coroutine[Any, Any, wire.Message], op: str,
                                rid: Any) -> None:
@@ -302,9 +342,9 @@ class Session:
         return wire.PeersReply(peers["contacts"], peers["runs"])
 
     # --- live state for joiners (moshpitd/state.py) -------------------------------------
-    async def _publish(self, req: wire.PublishStateRequest) -> wire.PublishStateReply:
-        view = FlatView(self._buffer(req.OP, req.buffer).view(), _specs(req.OP, req.tensors))
-        data, packed = view.pack()
+    async def _publish(self, req: wire.PublishStateRequest, buffer: SharedBuffer
+                       ) -> wire.PublishStateReply:
+        data, packed = FlatView(buffer.view(), _specs(req.OP, req.tensors)).pack()
         version = await self._store().publish(req.key, packed, req.meta, data, req.version)
         return wire.PublishStateReply(version, len(data))
 
@@ -315,10 +355,10 @@ class Session:
                                    list(info.get("tensors", [])), dict(info.get("meta", {})),
                                    len(holders))
 
-    async def _download(self, req: wire.DownloadStateRequest) -> wire.DownloadStateReply:
+    async def _download(self, req: wire.DownloadStateRequest, buffer: SharedBuffer
+                        ) -> wire.DownloadStateReply:
         # one deadline, the request's, for finding a donor and downloading from it
         deadline = time.monotonic() + req.timeout
-        buffer = self._buffer(req.OP, req.buffer)
         store = self._store()
         _, info, holders = await store.header(req.key, self.node.pool, req.timeout,
                                               req.version)

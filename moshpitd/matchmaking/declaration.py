@@ -1,7 +1,17 @@
-"""What a peer stores in the DHT to say it is looking for a group under a key."""
+"""What a peer stores in the DHT to say it is looking for a group under a key.
+
+A declaration is signed by its writer (a DHT subkey record, dht/records.py) and carries every
+field of the peer's entry in a group: endpoints, weight, bandwidth, client mode. A leader takes
+a follower only as it declared itself, and a follower checks every member of the group it gets
+against that member's own declaration (matchmaking/vetting.py), so a leader can neither invent
+members nor alter anyone's entry. A peer that stops looking writes its declaration again marked
+withdrawn: matchmaking skips it, but it still vouches for the entry of a group that member has
+just joined.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgpack
@@ -9,6 +19,8 @@ import msgpack
 # A declaration lives one matchmaking attempt (matchmaking_attempt_timeout is at most 600 s):
 # one signed to live longer is dated further back than any peer's attempt, and ignored
 MAX_TTL = 600.0
+FORMAT = 2  # 2: the whole group entry and `withdrawn` (1 had endpoint, schema, client mode)
+MAX_ENDPOINT = 256
 
 
 @dataclass(frozen=True)
@@ -16,9 +28,15 @@ class Declaration:
     endpoint: str
     schema_hash: bytes
     client_mode: bool = False
+    data_endpoint: str = ""
+    weight: float = 1.0
+    bandwidth: float = 1.0
+    withdrawn: bool = False  # the peer stopped looking (it found a group, or left)
 
     def pack(self) -> bytes:
-        return bytes(msgpack.packb([1, self.endpoint, self.schema_hash, self.client_mode]))
+        return bytes(msgpack.packb([FORMAT, self.endpoint, self.schema_hash, self.client_mode,
+                                    self.data_endpoint, float(self.weight),
+                                    float(self.bandwidth), self.withdrawn]))
 
     @classmethod
     def unpack(cls, raw: bytes) -> Declaration | None:
@@ -27,11 +45,30 @@ class Declaration:
             obj = msgpack.unpackb(raw)
         except Exception:
             return None
-        if not (isinstance(obj, list) and len(obj) == 4 and obj[0] == 1
-                and isinstance(obj[1], str) and len(obj[1]) <= 256
-                and isinstance(obj[2], bytes) and isinstance(obj[3], bool)):
+        if not (isinstance(obj, list) and len(obj) == 8 and obj[0] == FORMAT
+                and not isinstance(obj[0], bool)):
             return None
-        return cls(obj[1], obj[2], obj[3])
+        _, endpoint, schema, client_mode, data_endpoint, weight, bandwidth, withdrawn = obj
+        if not (_endpoint(endpoint) and _endpoint(data_endpoint)
+                and isinstance(schema, bytes) and isinstance(client_mode, bool)
+                and isinstance(withdrawn, bool) and _amount(weight) and _amount(bandwidth)):
+            return None
+        return cls(endpoint, schema, client_mode, data_endpoint, float(weight),
+                   float(bandwidth), withdrawn)
+
+    def withdraw(self) -> Declaration:
+        return Declaration(self.endpoint, self.schema_hash, self.client_mode,
+                           self.data_endpoint, self.weight, self.bandwidth, withdrawn=True)
+
+
+def _endpoint(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_ENDPOINT
+
+
+def _amount(value: object) -> bool:
+    """A weight or a bandwidth: a finite number >= 0."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
 
 
 @dataclass(frozen=True)

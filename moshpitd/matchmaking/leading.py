@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.declaration import Candidate
 from moshpitd.matchmaking.request import MatchRequest, Self
+from moshpitd.matchmaking.vetting import DeclarationBook, entry_fault, weights_fault
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.dataplane import split_endpoint
 
@@ -22,7 +24,8 @@ log = logging.getLogger(__name__)
 # for a protocol error), so daemons of different versions do not form groups.
 # 3: members of weight 0 own no span and send no parts (a version-2 daemon would plan other
 # spans and wait for their parts).
-PROTOCOL_VERSION = 3
+# 4: every group entry must match its peer's signed declaration of format 2.
+PROTOCOL_VERSION = 4
 
 
 @dataclass
@@ -36,10 +39,13 @@ class GroupLeader:
     and where newcomers are sent once we follow someone. The matchmaker opens and closes it and
     tells it whom we ask and follow; `on_join` wakes the matchmaker when someone joins."""
 
-    def __init__(self, me: Self, request: MatchRequest, on_join: Callable[[], None]) -> None:
+    def __init__(self, me: Self, request: MatchRequest, on_join: Callable[[], None],
+                 book: DeclarationBook | None = None, hooks: Hooks = NO_HOOKS) -> None:
         self.me = me
         self.req = request
         self._on_join = on_join
+        self.book = book  # None: joiners are not checked against declarations (unit tests)
+        self.hooks = hooks
         self.accepting = False
         self.followers: dict[bytes, _Follower] = {}
         self.last_join = 0.0  # when the latest follower joined us (to learn arrival spread)
@@ -72,14 +78,11 @@ class GroupLeader:
     def assemble(self) -> Group:
         members = [GroupMember(self.me.peer_id, self.me.endpoint, self.req.weight,
                                self.req.client_mode, self.me.bandwidth, self.me.data_endpoint)]
-        for pid, f in self.followers.items():
-            r = f.request
-            members.append(GroupMember(pid, r.endpoint, r.weight, r.client_mode, r.bandwidth,
-                                       r.data_endpoint))
+        members += [_member(f.request) for f in self.followers.values()]
         if sum(m.weight for m in members) <= 0:
             log.info("group under %s has zero total weight", self.req.key)
-        group = Group(os.urandom(16), self.req.key, 0, self.req.schema_hash, tuple(members),
-                      self.req.codec)
+        group = self.hooks.leading(Group(os.urandom(16), self.req.key, 0, self.req.schema_hash,
+                                         tuple(members), self.req.codec))
         info = group.to_proto()
         self.accepting = False
         for f in self.followers.values():
@@ -100,6 +103,14 @@ class GroupLeader:
     # --- leading: the server side of Join ---------------------------------------------------
     async def handle_join(self, request: pb.JoinRequest) -> AsyncIterator[pb.JoinResponse]:
         reject = self._check_join(request)
+        if reject is None and self.book is not None:
+            why = await self.book.vouched(
+                lambda get: entry_fault(_member(request), get(request.peer_id),
+                                        self.req.schema_hash))
+            if why is not None:
+                reject = pb.JoinResponse(code=pb.BAD_REQUEST, message=f"refused: {why}")
+            else:  # we may have assembled or left while reading the DHT
+                reject = self._check_join(request)
         if reject is not None:
             yield reject
             return
@@ -145,7 +156,17 @@ class GroupLeader:
             return no(pb.DUPLICATE_PEER, "peer is already a member")
         if 1 + len(self.followers) >= self.req.target_size:
             return no(pb.GROUP_FULL, f"group already has {self.req.target_size} members")
+        why = weights_fault([self.req.weight, request.weight,
+                             *(f.request.weight for f in self.followers.values())])
+        if why is not None:
+            return no(pb.BAD_REQUEST, f"with this peer's weight, the group's {why}")
         return None
+
+
+def _member(r: pb.JoinRequest) -> GroupMember:
+    """A follower's entry in the group, as it asked to join."""
+    return GroupMember(r.peer_id, r.endpoint, r.weight, r.client_mode, r.bandwidth,
+                       r.data_endpoint)
 
 
 def _valid_endpoint(endpoint: str) -> bool:

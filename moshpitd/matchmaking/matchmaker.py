@@ -24,6 +24,7 @@ from grpc import aio
 from moshpitd.allreduce.group import Group
 from moshpitd.clock import AttemptClock
 from moshpitd.dht.network import DHTNode
+from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.assembly import Action, AssemblyPolicy, Poll
 from moshpitd.matchmaking.declaration import MAX_TTL as DECLARATION_TTL
 from moshpitd.matchmaking.declaration import Candidate, Declaration
@@ -35,6 +36,7 @@ from moshpitd.matchmaking.errors import (
 )
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, not_looking
 from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
+from moshpitd.matchmaking.vetting import DeclarationBook, entries_fault, shape_fault
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 
@@ -69,15 +71,20 @@ MIN_ATTEMPT = 0.01  # s
 # Redirects (NOT_A_LEADER, DISBANDED) followed in a row before we look at the DHT again: groups
 # merge in one or two hops; a longer chain is a loop of stale views.
 MAX_HOPS = 4
+# A withdrawn declaration lives long enough for every member of the group we found to check
+# our entry against it (their GroupInfo arrives within a few ms of ours).
+WITHDRAWN_TTL = 30.0  # s
 
 
 class Matchmaker:
     def __init__(self, me: Self, dht: DHTNode, pool: ChannelPool, request: MatchRequest,
-                 watcher: LineWatcher | None = None, probe: Probe | None = None) -> None:
+                 watcher: LineWatcher | None = None, probe: Probe | None = None,
+                 hooks: Hooks = NO_HOOKS) -> None:
         self.me = me
         self.probe = probe
         self._outside_since: dict[bytes, float] = {}
-        self._dead: set[bytes] = set()  # declared, but its daemon does not answer
+        # declared, but its daemon does not answer, or it led a group that failed our checks
+        self._dead: set[bytes] = set()
         self.watcher = watcher
         self.expected = request.expected
         self.settled = True
@@ -85,7 +92,10 @@ class Matchmaker:
         self.pool = pool
         self.req = request
         self._wake = asyncio.Event()
-        self.leading = GroupLeader(me, request, self._wake.set)
+        self.book = DeclarationBook(lambda: dht.get_subs(request.key, max_ttl=DECLARATION_TTL),
+                                    (me.peer_id, self.declaration),
+                                    lambda: dht.local_subs(request.key, DECLARATION_TTL))
+        self.leading = GroupLeader(me, request, self._wake.set, self.book, hooks)
         self.policy = AssemblyPolicy(request.target_size, request.min_size,
                                      request.settle_seconds)
         self.assembled: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
@@ -106,7 +116,9 @@ class Matchmaker:
 
     @property
     def declaration(self) -> Declaration:
-        return Declaration(self.me.endpoint, self.req.schema_hash, self.req.client_mode)
+        """Our entry in any group, as every member will check it."""
+        return Declaration(self.me.endpoint, self.req.schema_hash, self.req.client_mode,
+                           self.me.data_endpoint, self.req.weight, self.me.bandwidth)
 
     # --- the whole search ---------------------------------------------------------------------
     async def find_group(self, timeout: float) -> Group:
@@ -154,7 +166,9 @@ class Matchmaker:
 
     async def _withdraw(self, version: int) -> None:
         try:
-            await self.dht.withdraw_sub(self.req.key, self.me.peer_id, version=version)
+            await self.dht.store_sub(self.req.key, self.me.peer_id,
+                                     self.declaration.withdraw().pack(), WITHDRAWN_TTL,
+                                     version=version)
         except Exception as exc:  # the round goes on; the record expires by itself
             log.debug("withdraw failed: %r", exc)
 
@@ -228,6 +242,7 @@ class Matchmaker:
 
     async def _candidates(self) -> list[Candidate]:
         subs = await self.dht.get_subs(self.req.key, max_ttl=DECLARATION_TTL)
+        self.book.absorb(subs)
         now = time.monotonic()
         out = []
         self._declared_now = set()
@@ -235,7 +250,7 @@ class Matchmaker:
             if peer_id == self.me.peer_id:
                 continue
             decl = Declaration.unpack(rec.value)
-            if decl is None:
+            if decl is None or decl.withdrawn:
                 continue
             if decl.schema_hash != self.req.schema_hash:
                 self._seen_mismatch.add(peer_id)
@@ -245,17 +260,14 @@ class Matchmaker:
             out.append(Candidate(peer_id, decl, now + rec.ttl, rec.version))
         return out
 
-    def _plausible(self, group: Group) -> bool:
-        """A leader's GroupInfo is trusted for membership, but not blindly: no more members than
-        we asked for, no duplicates, sane weights, and our own entry as we sent it."""
-        members = group.members
-        ok = (len(members) <= self.req.target_size and len(group.group_id) == 16
-              and len({m.peer_id for m in members}) == len(members)
-              and all(math.isfinite(m.weight) and m.weight >= 0 for m in members)
-              and members[group.index_of(self.me.peer_id)].weight == self.req.weight)
-        if not ok:
-            log.warning("%s: refused a malformed group from its leader", self.req.key)
-        return ok
+    async def _vet(self, group: Group) -> str | None:
+        """Why we must leave the group our leader sent, or None: the codec, aggregation and
+        tensors we asked for, a mean reducers can compute, and every member, us included,
+        as it declared itself under the key."""
+        why = shape_fault(group, self.req, self.me.peer_id)
+        if why is None:
+            why = await self.book.vouched(lambda get: entries_fault(group, self.req, get))
+        return why
 
     async def _probe_stragglers(self, candidates: list[Candidate], now: float) -> None:
         """A killed daemon's declaration outlives it (until its TTL): a leader would wait for
@@ -340,11 +352,11 @@ class Matchmaker:
             resp = first
         if resp.code == pb.GROUP_ASSEMBLED:
             group = Group.from_proto(resp.group_info)
-            try:
-                group.index_of(self.me.peer_id)
-            except KeyError:
-                return None
-            if group.schema_hash != self.req.schema_hash or not self._plausible(group):
+            why = await self._vet(group)
+            if why is not None:
+                log.warning("%s: left the group %s that %s led: %s", self.req.key,
+                            group.group_id.hex()[:8], leader.peer_id.hex()[:8], why)
+                self._dead.add(leader.peer_id)  # never again in this request
                 return None
             if not self.assembled.done():
                 self.assembled.set_result(group)

@@ -21,6 +21,7 @@ from kademlia.utils import digest
 
 import moshpit
 from moshpitd.launcher import LocalSwarm
+from moshpitd.matchmaking.declaration import Declaration
 from tests.fuzz.strategies import I64, blobs, dht_scalars, dht_values, endpoints, floats, ints
 from tests.fuzz.target import (
     CHECK_SCHEMA,
@@ -250,16 +251,21 @@ def test_declaration_visible_in_later_attempts(target: Target) -> None:
             assert isinstance(subs, list), subs
             return next((r for r in subs if bytes(r[0]).hex() == peer.info["peer_id"]), None)
 
+        def live(record: list[Any]) -> bool:
+            """A declaration, not the withdrawn one an attempt leaves behind."""
+            decl = Declaration.unpack(bytes(record[1]))
+            return decl is not None and not decl.withdrawn
+
         lonely = threading.Thread(target=average_alone)
         lonely.start()
         try:
-            first = wait_until(lambda: (r := declaration()) and r[1] != b"" and r, 5,
+            first = wait_until(lambda: (r := declaration()) and live(r) and r, 5,
                                "its first declaration", poll=0.05)
-            # the first attempt ends after 5 s with its tombstone; the second declares again
-            # with a later version, which must outrank that tombstone while it matchmakes
+            # the first attempt ends after 5 s with its withdrawn declaration; the second
+            # declares again with a later version, which must outrank it while it matchmakes
             def redeclared() -> list[Any] | bool:
                 r = declaration()
-                if r is not None and r[2] > first[2] and r[1] != b"":
+                if r is not None and r[2] > first[2] and live(r):
                     return r
                 return not lonely.is_alive()  # it ended: stop looking
 

@@ -23,6 +23,7 @@ import torch
 
 import moshpit
 from moshpitd.allreduce.group import Group
+from moshpitd.dht.network import SubRecord
 from moshpitd.launcher import DaemonProcess, LocalSwarm
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.errors import GroupNotFound
@@ -118,6 +119,14 @@ def join_request(peer_id: bytes, key: str = "k", **fields: Any) -> pb.JoinReques
     return pb.JoinRequest(**{**base, **fields})
 
 
+def declare(mm: Matchmaker, peer_id: bytes, **fields: Any) -> None:
+    """What the made-up peer's own signed declaration would have told the leader's poll."""
+    r = join_request(peer_id, **fields)
+    decl = Declaration(r.endpoint, r.schema_hash, r.client_mode, r.data_endpoint, r.weight,
+                       r.bandwidth)
+    mm.book.absorb({peer_id: SubRecord(decl.pack(), 1, 10.0)})
+
+
 # --- the Join stream -----------------------------------------------------------------------
 def test_join_answers_every_code() -> None:
     """A leader driven by hand (it never polls, so nothing changes under the test), asked
@@ -168,8 +177,19 @@ def test_join_answers_every_code() -> None:
                 got = await answer(join_request(**{"peer_id": pid(1), **fields}))
                 assert got.code == code, (fields, pb.JoinCode.Name(got.code), got.message)
             assert not mm.leading.followers  # nothing refused was taken in
-            # two peers asking each other at once: the lower peer id leads, on both sides
+            # a joiner must be as it declared itself, signed, under the key (it did not
+            # declare at all; it declared another weight; its weight is 1e13 times the rest)
             low, high = b"\x00" * 20, b"\xff" * 20
+            declare(mm, high, weight=3.0)
+            declare(mm, pid(2), weight=4.0)
+            declare(mm, pid(4), weight=2e13)
+            for request, why in ((join_request(pid(1)), "no signed declaration"),
+                                 (join_request(pid(2), weight=5.0), "weight differ"),
+                                 (join_request(pid(4), weight=2e13), "more than 1e+12 apart")):
+                got = await answer(request)
+                assert got.code == pb.BAD_REQUEST and why in got.message, got
+            assert not mm.leading.followers
+            # two peers asking each other at once: the lower peer id leads, on both sides
             mm.leading.asking = low
             crossed = await answer(join_request(low))
             assert crossed.code == pb.NOT_LOOKING and "lower peer id" in crossed.message

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from moshpitd.matchmaking.declaration import Declaration
 
 endpoints = st.text(max_size=256)
-declarations = st.builds(Declaration, endpoints, st.binary(max_size=64), st.booleans())
+amounts = st.floats(min_value=0, allow_infinity=False)
+declarations = st.builds(Declaration, endpoints, st.binary(max_size=64), st.booleans(),
+                         endpoints, amounts, amounts, st.booleans())
 
 
 @settings(max_examples=200, deadline=None)
@@ -33,7 +35,9 @@ def _check_unpacked(raw: bytes) -> None:
     if out is not None:
         assert isinstance(out.endpoint, str) and len(out.endpoint) <= 256
         assert isinstance(out.schema_hash, bytes)
-        assert isinstance(out.client_mode, bool)
+        assert isinstance(out.client_mode, bool) and isinstance(out.withdrawn, bool)
+        assert out.weight >= 0 and out.bandwidth >= 0  # finite, or the comparison fails
+        assert out.weight < float("inf") and out.bandwidth < float("inf")
         assert Declaration.unpack(out.pack()) == out
 
 
@@ -71,24 +75,49 @@ def test_trailing_bytes_make_it_none(decl: Declaration, extra: bytes) -> None:
     assert Declaration.unpack(decl.pack() + extra) is None
 
 
+GOOD = [2, "host:1", b"h", False, "host:2", 1.0, 1.0, False]
+
+
+def _with(index: int, value: object) -> list[object]:
+    out = list(GOOD)
+    out[index] = value
+    return out
+
+
+def test_the_good_shape_unpacks() -> None:
+    assert Declaration.unpack(msgpack.packb(GOOD)) == Declaration("host:1", b"h", False,
+                                                                   "host:2", 1.0, 1.0)
+
+
 @pytest.mark.parametrize(
     "obj",
     [
-        [1, "host:1", b"h"],  # too short
-        [1, "host:1", b"h", False, 0],  # too long
-        [2, "host:1", b"h", False],  # other version
-        [0, "host:1", b"h", False],
-        ["1", "host:1", b"h", False],
-        [1, b"host:1", b"h", False],  # endpoint as bytes
-        [1, 17, b"h", False],
-        [1, None, b"h", False],
-        [1, "x" * 257, b"h", False],  # endpoint too long
-        [1, "host:1", "h", False],  # hash as str
-        [1, "host:1", None, False],
-        [1, "host:1", [1, 2], False],
-        [1, "host:1", b"h", 0],  # client_mode as int
-        [1, "host:1", b"h", "yes"],
-        [1, "host:1", b"h", None],
+        GOOD[:4],  # the format-1 shape
+        [1, "host:1", b"h", False],
+        GOOD[:7],  # too short
+        [*GOOD, 0],  # too long
+        _with(0, 1),  # other format
+        _with(0, "2"),
+        _with(0, True),
+        _with(1, b"host:1"),  # endpoint as bytes
+        _with(1, 17),
+        _with(1, None),
+        _with(1, "x" * 257),  # endpoint too long
+        _with(2, "h"),  # hash as str
+        _with(2, None),
+        _with(2, [1, 2]),
+        _with(3, 0),  # client_mode as int
+        _with(3, "yes"),
+        _with(4, None),  # data endpoint
+        _with(4, "x" * 257),
+        _with(5, -1.0),  # weight
+        _with(5, float("nan")),
+        _with(5, float("inf")),
+        _with(5, True),
+        _with(5, "1"),
+        _with(6, -0.5),  # bandwidth
+        _with(6, float("inf")),
+        _with(7, 1),  # withdrawn as int
         {"endpoint": "host:1"},
         "host:1",
         1,
@@ -101,10 +130,17 @@ def test_wrong_shapes_are_none(obj: object) -> None:
 
 
 @pytest.mark.parametrize(
-    "raw", [b"", b"\xc1", b"\x94", b"\x94\x01", b"\xff" * 8, b"\x94\x01\xa3ab"]
+    "raw", [b"", b"\xc1", b"\x98", b"\x98\x02", b"\xff" * 8, b"\x98\x02\xa3ab"]
 )
 def test_garbage_is_none(raw: bytes) -> None:
     assert Declaration.unpack(raw) is None
+
+
+def test_withdrawn_keeps_the_entry() -> None:
+    decl = Declaration("h:1", b"s", True, "h:2", 3.0, 2.0)
+    out = Declaration.unpack(decl.withdraw().pack())
+    assert out is not None and out.withdrawn and out == Declaration("h:1", b"s", True, "h:2",
+                                                                    3.0, 2.0, True)
 
 
 def test_endpoint_length_limit_is_inclusive() -> None:

@@ -17,6 +17,7 @@ from moshpitd.allreduce.layout import (
     Part,
     Run,
     TensorSpec,
+    capped_shares,
     plan_parts,
     runs_of,
     schema_hash,
@@ -152,7 +153,7 @@ def _check_plan(runs: list[Run], shares: list[float], part_bytes: int) -> list[P
     parts = plan_parts(runs, shares, part_bytes)
     assert [p.index for p in parts] == list(range(len(parts)))
     total = sum(r.numel for r in runs)
-    bounds = span_bounds(total, shares)
+    bounds = span_bounds(total, capped_shares(shares))
     run_starts = np.cumsum([0] + [r.numel for r in runs]).tolist()
     for ri, run in enumerate(runs):
         mine = sorted((p for p in parts if p.run == ri), key=lambda p: p.start)
@@ -189,6 +190,38 @@ def test_plan_parts_tiles_runs(
 ) -> None:
     specs, _ = _layout(schema)
     _check_plan(runs_of(specs), shares, part_bytes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shares=shares_st)
+def test_capped_shares_hold_no_more_than_twice_an_equal_share(shares: list[float]) -> None:
+    out = capped_shares(shares)
+    owners = [s for s in shares if s > 0]
+    assert math.isclose(sum(out), 1.0)
+    assert all(o <= 2 / len(owners) * (1 + 1e-6) for o in out)
+    assert [o > 0 for o in out] == [s > 0 for s in shares]  # nobody gains or loses a span
+    # below the cap, the order of the shares is kept
+    for a, b, x, y in ((a, b, x, y) for a, x in zip(shares, out, strict=True)
+                       for b, y in zip(shares, out, strict=True)):
+        assert a > b or x <= y * (1 + 1e-9)
+
+
+def test_capped_shares_examples() -> None:
+    assert capped_shares([1.0, 1.0]) == [0.5, 0.5]
+    big, small = capped_shares([1e12, 1.0])  # two owners: the cap (2 x 1/2) is the whole
+    assert math.isclose(big, 1.0) and 0 < small < 1e-11
+    out = capped_shares([1e12, 1.0, 1.0, 0.0])  # three owners: at most 2/3
+    assert out[0] == 2 / 3 and out[3] == 0 and math.isclose(out[1], 1 / 6)
+    out = capped_shares([1e6, 1e6, 1.0, 1.0, 1.0, 1.0])  # two capped at 1/3 each
+    assert math.isclose(out[0], 1 / 3) and math.isclose(out[1], 1 / 3)
+    assert math.isclose(out[2], 1 / 12)
+
+
+def test_a_huge_bandwidth_reduces_at_most_twice_an_equal_share() -> None:
+    runs = [Run("float32", 1200, (0,))]
+    parts = plan_parts(runs, [1e12, 1e-9, 1.0, 1.0], 1 << 20)
+    owned = [sum(p.numel for p in parts if p.owner == i) for i in range(4)]
+    assert owned[0] == 600 and sum(owned) == 1200 and owned[1] < 1
 
 
 def test_plan_parts_owner_spans_contiguous_in_order() -> None:

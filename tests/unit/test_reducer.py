@@ -308,3 +308,28 @@ def test_seed_falls_back_to_a_copy_where_in_place_cannot_work(case: str) -> None
     assert red._slots[0].acc is not None and not np.shares_memory(red._slots[0].acc, buf)
     red.settle()
     np.testing.assert_array_equal(buf, [1, 2, 3, 4])
+
+
+def test_a_huge_weight_cannot_overflow_a_reducers_sum() -> None:
+    """Reducers take weights scaled so that the largest is 1 (RoundPlan): a member's weight of
+    1e308 used to make the float32 sum Inf, and the reducer's trainer was told that its own
+    values held NaN or Inf."""
+    from moshpitd.allreduce.group import Group, GroupMember
+    from moshpitd.allreduce.plan import unit_weights
+
+    members = tuple(GroupMember(bytes([i]) * 20, "h:1", w) for i, w in
+                    enumerate([1e308, 1e300, 0.0]))
+    scaled = [m.weight for m in unit_weights(Group(b"g" * 16, "k", 0, b"", members)).members]
+    assert scaled == [1.0, 1e-8, 0.0]
+    r = _reducer(numel=4, senders=2)
+    x = np.array([3e38, -3e38, 1.0, 2.0], dtype=np.float32)
+    y = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    r.add(0, 0, scaled[0], x)
+    assert r.add(0, 1, scaled[1], y)
+    out = r.result(0)
+    assert np.isfinite(out).all()
+    want = (x.astype(np.float64) + y * 1e-8) / (1 + 1e-8)  # both weights over 1e308
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    unchanged = (GroupMember(b"a" * 20, "h:1", 1.0), GroupMember(b"b" * 20, "h:1", 1.0))
+    group = Group(b"g" * 16, "k", 0, b"", unchanged)
+    assert unit_weights(group) is group  # equal weights of 1: nothing to scale

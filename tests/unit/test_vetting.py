@@ -1,0 +1,156 @@
+"""What a follower checks of its GroupInfo and a leader of a joiner, and the Join bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.dht.network import SubRecord
+from moshpitd.faults import TAMPERINGS, tampered
+from moshpitd.matchmaking.admission import JoinAdmission
+from moshpitd.matchmaking.declaration import Declaration
+from moshpitd.matchmaking.request import MatchRequest
+from moshpitd.matchmaking.vetting import (
+    DeclarationBook,
+    entries_fault,
+    shape_fault,
+    weights_fault,
+)
+
+SCHEMA = b"\x01" * 16
+REQ = MatchRequest("k", SCHEMA, 1.0, 4, attempt_seconds=5.0, settle_seconds=0.5)
+
+
+def member(i: int, **kw: Any) -> GroupMember:
+    return GroupMember(bytes([i]) * 20, f"127.0.0.1:{100 + i}", kw.pop("weight", 1.0),
+                       data_endpoint=f"127.0.0.1:{200 + i}", **kw)
+
+
+def declaration(m: GroupMember) -> Declaration:
+    return Declaration(m.endpoint, SCHEMA, m.client_mode, m.data_endpoint, m.weight,
+                       m.bandwidth)
+
+
+GROUP = Group(b"\x07" * 16, "k", 0, SCHEMA, (member(1), member(2), member(3)))
+DECLARED = {m.peer_id: declaration(m) for m in GROUP.members}
+
+
+def vet(group: Group, me: int = 2) -> str | None:
+    return shape_fault(group, REQ, bytes([me]) * 20) or entries_fault(group, REQ,
+                                                                      DECLARED.get)
+
+
+def test_an_honest_group_passes() -> None:
+    assert vet(GROUP) is None
+
+
+@pytest.mark.parametrize("how, why", [
+    ("codec", "its codec is 'int8', we asked for 'none'"),
+    ("bandwidth", "bandwidth differ from its declaration"),
+    ("phantom", "has no signed declaration under the key"),
+    ("weight", "lie more than 1e+12 apart"),
+])
+def test_every_tampering_is_caught(how: str, why: str) -> None:
+    assert set(TAMPERINGS) >= {how}
+    got = vet(tampered(GROUP, how))
+    assert got is not None and why in got, got
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda g: replace(g, key="other"), "it is for key 'other'"),
+    (lambda g: replace(g, schema_hash=b"\x02" * 16), "tensors, codec or aggregation differ"),
+    (lambda g: replace(g, group_id=b"short"), "group id is malformed"),
+    (lambda g: replace(g, members=g.members * 2), "members, we asked for at most 4"),
+    (lambda g: replace(g, members=g.members[:1] * 2), "listed twice"),
+    (lambda g: replace(g, members=g.members[:1]), "it has 1 members"),
+    (lambda g: replace(g, members=(g.members[0], g.members[2])), "we are not in it"),
+    (lambda g: replace(g, members=(replace(g.members[0], weight=math.nan), *g.members[1:])),
+     "not a finite number"),
+    (lambda g: replace(g, members=tuple(replace(m, weight=1e308) for m in g.members)),
+     "total overflows"),
+    (lambda g: replace(g, members=(*g.members[:2], replace(g.members[2], data_endpoint="x:1"))),
+     "data endpoint differ"),
+    (lambda g: replace(g, members=(g.members[0], replace(g.members[1], weight=2.0),
+                                   g.members[2])), "weight differ"),  # our own entry
+])
+def test_a_bad_group_is_named(change: Any, why: str) -> None:
+    got = vet(change(GROUP))
+    assert got is not None and why in got, got
+
+
+def test_weights() -> None:
+    assert weights_fault([0.0, 0.0]) is None  # a round skipped by every member alike
+    assert weights_fault([0.0, 1e-3, 1e9]) is None
+    assert weights_fault([1e-3, 1e10]) is not None  # 1e13 apart
+    assert weights_fault([-1.0, 1.0]) is not None and weights_fault([math.inf]) is not None
+
+
+def test_the_book_keeps_withdrawn_declarations_and_reads_again_when_a_check_fails() -> None:
+    reads = 0
+    later: dict[bytes, SubRecord] = {}
+
+    async def read() -> dict[bytes, SubRecord]:
+        nonlocal reads
+        reads += 1
+        await asyncio.sleep(0.01)
+        return later
+
+    async def main() -> None:
+        book = DeclarationBook(read, (b"\x09" * 20, Declaration("me:1", SCHEMA)))
+        m = member(1)
+        book.absorb({m.peer_id: SubRecord(declaration(m).pack(), 5, 1.0)})
+        book.absorb({m.peer_id: SubRecord(declaration(m).withdraw().pack(), 6, 1.0)})
+        book.absorb({m.peer_id: SubRecord(b"", 7, 1.0)})  # not a declaration: ignored
+        got = book.get(m.peer_id)
+        assert got is not None and got.withdrawn and got.endpoint == m.endpoint
+        assert book.get(b"\x09" * 20) == Declaration("me:1", SCHEMA)
+        # an unknown member: one lookup, shared by every check at that moment
+        n = member(2)
+        later[n.peer_id] = SubRecord(declaration(n).pack(), 1, 1.0)
+
+        def check(get: Any) -> str | None:
+            return None if get(n.peer_id) is not None else "unknown"
+        assert await asyncio.gather(*(book.vouched(check) for _ in range(5))) == [None] * 5
+        assert reads == 1
+        assert await book.vouched(lambda get: "never") == "never" and reads == 2
+
+    asyncio.run(main())
+
+
+def test_join_admission_bounds_per_peer_and_in_total() -> None:
+    joins = JoinAdmission(total=3, per_peer=2)
+    a, b, c = b"a" * 20, b"b" * 20, b"c" * 20
+    assert joins.admit(a) is None and joins.admit(a) is None
+    why = joins.admit(a)
+    assert why is not None and "join_max_per_peer" in why
+    assert joins.admit(b) is None
+    why = joins.admit(c)
+    assert why is not None and "join_max_in_flight" in why
+    joins.release(a)
+    assert joins.admit(c) is None and joins.held == 3
+    assert dict(joins.refused) == {"per_peer": 1, "in_flight": 1}
+
+
+def test_the_book_looks_in_the_local_replica_before_the_network() -> None:
+    reads = 0
+    m = member(3)
+    held = {m.peer_id: SubRecord(declaration(m).pack(), 1, 1.0)}
+
+    async def read() -> dict[bytes, SubRecord]:
+        nonlocal reads
+        reads += 1
+        return {}
+
+    async def main() -> None:
+        book = DeclarationBook(read, None, lambda: held)
+        assert await book.vouched(lambda get: None if get(m.peer_id) else "unknown") is None
+        assert reads == 0  # a replica of the key already held it: no lookup
+        assert await book.vouched(lambda get: None if get(b"x" * 20) else "unknown") \
+            == "unknown" and reads == 1
+
+    asyncio.run(main())
