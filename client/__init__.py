@@ -11,6 +11,8 @@ from moshpit.errors import (
     GridMismatch,
     GroupNotFound,
     InvalidRequest,
+    LocalLate,
+    LocalMismatch,
     MoshpitError,
     ProtocolError,
     RoundTimeout,
@@ -25,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AGGREGATIONS", "AllreduceFailed", "Client", "DaemonBusy", "DaemonError",
     "DaemonShuttingDown", "DaemonUnavailable", "DuplicateRequest", "GridMismatch",
-    "GroupNotFound", "InvalidRequest", "MoshpitError", "Optimizer", "ProtocolError",
+    "GroupNotFound", "InvalidRequest", "LocalLate", "LocalMismatch", "MoshpitError", "Optimizer",
+    "ProtocolError",
     "RoundInfo", "RoundTimeout", "SchemaMismatch", "StateUnavailable", "VersionMismatch",
 ]
