@@ -13,6 +13,7 @@ from moshpit.errors import (
     InvalidRequest,
     LocalLate,
     LocalMismatch,
+    LocalRankMissing,
     MoshpitError,
     ProtocolError,
     RoundTimeout,
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AGGREGATIONS", "AllreduceFailed", "Client", "DaemonBusy", "DaemonError",
     "DaemonShuttingDown", "DaemonUnavailable", "DuplicateRequest", "GridMismatch",
-    "GroupNotFound", "InvalidRequest", "LocalLate", "LocalMismatch", "MoshpitError", "Optimizer",
-    "ProtocolError",
+    "GroupNotFound", "InvalidRequest", "LocalLate", "LocalMismatch", "LocalRankMissing",
+    "MoshpitError", "Optimizer", "ProtocolError",
     "RoundInfo", "RoundTimeout", "SchemaMismatch", "StateUnavailable", "VersionMismatch",
 ]

@@ -219,8 +219,6 @@ class MoshpitNode:
     async def average(self, request: AverageRequest, buffer: memoryview) -> AverageResult:
         view = FlatView(buffer, request.specs)
         if request.local_world is not None:  # one of this host's trainers (moshpitd/local/)
-            if request.local_rank is not None:
-                raise ValueError("local_rank (shards) is not supported by this daemon yet")
             self._admit(request, view)
             return await self.local.join(request, view, buffer)
         if self.local.holds(request.key):

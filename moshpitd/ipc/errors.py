@@ -22,6 +22,7 @@ class ErrorCode(enum.StrEnum):
     ALLREDUCE_FAILED = "allreduce_failed"  # a group formed, its all-reduce failed
     ROUND_TIMEOUT = "round_timeout"  # a round's step ran out of the request's time
     STATE_UNAVAILABLE = "state_unavailable"  # no donor gave the state in time
+    LOCAL_RANK_MISSING = "local_rank_missing"  # a shard rank of this host left or never came
     LOCAL_MISMATCH = "local_mismatch"  # local trainers under the key disagree (names the rank)
     LOCAL_LATE = "local_late"  # the local group had left for its round when this trainer came
     INTERNAL_ERROR = "internal_error"  # a daemon bug: its log has the traceback

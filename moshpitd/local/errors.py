@@ -6,6 +6,15 @@ from __future__ import annotations
 from moshpitd.ipc.errors import ErrorCode, IPCError
 
 
+class LocalRankMissing(IPCError):
+    """A shard rank left or never came: the host's vector is incomplete, so every rank of the
+    host fails and nothing is sent."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(ErrorCode.LOCAL_RANK_MISSING, message, rank=rank)
+        self.rank = rank
+
+
 class LocalMismatch(IPCError):
     """A local trainer disagrees with the first of its group (local_world, the mode, the
     tensors or the round's options), or claims a shard rank already taken."""

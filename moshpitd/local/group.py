@@ -8,9 +8,13 @@ clock; the group closes when all `local_world` trainers came, or at the clock's 
   a scratch vector (moshpitd/local/reduce.py), which takes part in the swarm round with the
   sum of their weights; the result is then written to every contributor's buffer. A replica's
   rank is its order of arrival.
+- Shards (local_rank r): the ranks' tensors in rank order are the host's vector
+  (moshpitd/local/shards.py). A rank that leaves or never comes fails every rank with
+  LocalRankMissing before anything is sent.
 
-Trainers that disagree with the first (local_world, the options of the round, the tensors) are
-refused with LocalMismatch naming their rank.
+Trainers that disagree with the first (local_world, the mode, the options of the round, and
+for replicas the tensors) are refused with LocalMismatch naming their rank; for shards the
+whole group fails, since its vector can no longer be complete.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import numpy as np
 
 from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, schema_of
 from moshpitd.clock import RoundClock
-from moshpitd.local.errors import LocalLate, LocalMismatch
+from moshpitd.local.errors import LocalLate, LocalMismatch, LocalRankMissing
 from moshpitd.local.reduce import Scratch, copy_out, tensor_arrays, weighted_mean
+from moshpitd.local.shards import ShardView
 from moshpitd.matchmaking.errors import DuplicateRequest
 from moshpitd.node_config import ShuttingDown
 from moshpitd.rounds import AverageRequest, AverageResult
@@ -119,7 +124,12 @@ class LocalGroup:
         """Its trainer went away (the request was cancelled, the session ended)."""
         if self.state == "gathering":
             del self.members[member.rank]
-            if not self.members:
+            if self.shards:
+                self._fail(LocalRankMissing(member.rank, (
+                    f"local rank {member.rank} under key {self.key!r} went away before the "
+                    "round (its request was cancelled or its process ended): the host's vector "
+                    "is incomplete, nothing was sent")))
+            elif not self.members:
                 self._finish()
         elif self.state == "averaging" and self.task is not None and all(
                 m.future.done() for m in self.members.values()):
@@ -132,7 +142,14 @@ class LocalGroup:
     def _deadline(self) -> None:
         if self.state != "gathering":
             return
-        self._close()
+        if not self.shards:
+            self._close()
+            return
+        missing = [r for r in range(self.world) if r not in self.members]
+        self._fail(LocalRankMissing(missing[0], (
+            f"local rank(s) {missing} of {self.world} under key {self.key!r} did not come "
+            f"within the local deadline ({self.clock.local_deadline() - self.clock.start:.1f} s "
+            "after the first): the host's vector is incomplete, nothing was sent")))
 
     def _close(self) -> None:
         self.state = "averaging"
@@ -152,7 +169,10 @@ class LocalGroup:
     async def _run(self) -> None:
         members = sorted(self.members.values(), key=lambda m: m.rank)
         try:
-            await self._average_replicas(members)
+            if self.shards:
+                await self._average_shards(members)
+            else:
+                await self._average_replicas(members)
         except asyncio.CancelledError:
             for m in members:
                 m.answer(ShuttingDown("moshpitd is shutting down: the local group's round was "
@@ -200,6 +220,17 @@ class LocalGroup:
         await asyncio.to_thread(copy_out, scratch.arrays, [m.arrays for m in members])
         for m in members:
             m.answer(replace(result, local_rank=m.rank, local_ranks=ranks))
+
+    async def _average_shards(self, members: list[Member]) -> None:
+        view = ShardView([m.view for m in members])
+        request = self._swarm_request(members, tuple(view.specs))
+        ranks = tuple(range(self.world))
+        log.info("local round key=%s shards=%d elements=%d weight=%g", self.key, self.world,
+                 view.first_element[-1], request.weight)
+        result = await self.swarm(request, view)
+        for m in members:
+            m.answer(replace(result, spans=view.rank_spans(result.spans, m.rank),
+                             local_rank=m.rank, local_ranks=ranks))
 
 
 class LocalGroups:

@@ -129,3 +129,74 @@ def test_disagreeing_and_late_replicas_are_told(hosts: LocalSwarm) -> None:
         assert_mean(got, [tensors(20), tensors(24)], [1.0, 1.0])
         assert info["local_ranks"] == (0,)
         plain.averaged()
+
+
+def test_shards_are_one_vector_split_by_rank(hosts: LocalSwarm) -> None:
+    """2 hosts x 2 shard ranks, each host splitting the same three tensors otherwise: the
+    schema is the concatenation's, every rank gets its slice of the weighted mean of the two
+    hosts' vectors (each weighing the sum of its ranks' weights), and spans per rank."""
+    a, b = tensors(30), tensors(31)
+    split = {0: [[0, 1], [2]], 1: [[0], [1, 2]]}  # host -> rank -> tensor indices
+    weights = {0: [1.0, 2.0], 1: [4.0, 5.0]}
+    hosts_values = {0: a, 1: b}
+    trainers = {(h, r): Trainer(hosts.sockets[h], [hosts_values[h][k] for k in split[h][r]],
+                                key="shards", weight=weights[h][r], local_world=2,
+                                local_rank=r, timeout=30)
+                for h in (0, 1) for r in (0, 1)}
+    mean = [weighted_mean([a[k], b[k]], [3.0, 9.0]) for k in range(len(SHAPES))]
+    for (h, r), t in trainers.items():
+        got, info = t.averaged()
+        assert len(got) == len(split[h][r])
+        for g, k in zip(got, split[h][r], strict=True):
+            scale = max(np.abs(a[k]).max(), np.abs(b[k]).max())
+            rtol = {np.float16: 2e-3, np.float32: 1e-6, np.float64: 1e-12}[SHAPES[k][1]]
+            assert g.dtype == SHAPES[k][1]
+            np.testing.assert_allclose(g.astype(np.float64), mean[k], rtol=0, atol=rtol * scale)
+        size = sum(a[k].size for k in split[h][r])
+        assert info["spans"] == ((0, size, 3),), info  # its own slice, from both hosts
+        assert info["local_rank"] == r and info["local_ranks"] == (0, 1)
+        assert info["group_size"] == 2
+
+
+def test_a_missing_shard_rank_fails_every_rank(hosts: LocalSwarm) -> None:
+    """A shard rank SIGKILLed while it waits fails the others at once, one that never comes
+    fails them at the local deadline: LocalRankMissing names it, and nothing was sent."""
+    x = tensors(40)
+    with moshpit.Client(hosts.sockets[0]) as watch:
+        victim = Trainer(hosts.sockets[0], x[:1], key="shard-dies", local_world=3,
+                         local_rank=2, timeout=30)
+        wait_ranks(watch, "shard-dies", [2])
+        first = Trainer(hosts.sockets[0], x[1:], key="shard-dies", local_world=3,
+                        local_rank=0, timeout=30)
+        wait_ranks(watch, "shard-dies", [0, 2])
+        victim.kill()
+        name, message, rank = first.failed()
+        assert name == "LocalRankMissing" and rank == 2 and "went away" in message
+        # rank 1 never comes: the others fail at the deadline (half of their 3 s)
+        waiting = [Trainer(hosts.sockets[0], x[:1], key="shard-absent", local_world=3,
+                           local_rank=r, timeout=3) for r in (0, 2)]
+        for t in waiting:
+            name, message, rank = t.failed()
+            assert name == "LocalRankMissing" and rank == 1, message
+            assert "local rank(s) [1] of 3" in message and "nothing was sent" in message
+        keys = {r["key"] for r in watch.rounds()}
+        assert not keys & {"shard-dies", "shard-absent"}  # no round began: nothing half-made
+        assert watch.status()["status"]["local_groups"] == {}
+
+
+def test_disagreeing_shard_ranks_fail_the_host_naming_the_rank(hosts: LocalSwarm) -> None:
+    """A rank with another local_world, or a replica among shards: every rank of the host
+    gets LocalMismatch naming the rank that differs."""
+    x = tensors(50)
+    with moshpit.Client(hosts.sockets[0]) as watch:
+        for key, odd in (("shard-world", dict(local_world=3, local_rank=1)),
+                         ("shard-mode", dict(local_world=2))):
+            first = Trainer(hosts.sockets[0], x, key=key, local_world=2, local_rank=0,
+                            timeout=30)
+            wait_ranks(watch, key, [0])
+            other = Trainer(hosts.sockets[0], x, key=key, timeout=30, **odd)
+            for t in (first, other):
+                name, message, rank = t.failed()
+                assert name == "LocalMismatch" and rank == 1, message
+            assert ("says local_world=3, the first said 2" if key == "shard-world"
+                    else "is in the other mode: the group holds shards") in message

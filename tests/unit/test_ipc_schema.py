@@ -239,7 +239,7 @@ def test_every_code_is_raised_as_exactly_one_client_exception_and_back() -> None
 
 
 def test_local_errors_carry_the_rank_they_name() -> None:
-    for cls in (moshpit.LocalMismatch,):
+    for cls in (moshpit.LocalRankMissing, moshpit.LocalMismatch):
         exc = client_errors.from_reply(wire.error_frame(1, cls.code, "rank 2", rank=2))
         assert type(exc) is cls and exc.rank == 2
     assert isinstance(moshpit.LocalMismatch("x"), moshpit.InvalidRequest)
