@@ -24,7 +24,7 @@ def context() -> multiprocessing.context.ForkServerContext:
     global _FORKS
     if _FORKS is None:
         _FORKS = multiprocessing.get_context("forkserver")
-        _FORKS.set_forkserver_preload(["torch", "moshpit"])
+        _FORKS.set_forkserver_preload(["torch", "torch._dynamo", "moshpit"])
         multiprocessing.forkserver.ensure_running()
     return _FORKS
 
@@ -87,3 +87,39 @@ def wait_ranks(client: moshpit.Client, key: str, ranks: list[int], timeout: floa
                ) -> None:
     wait_until(lambda: local_ranks(client, key) == ranks, timeout,
                f"local group {key!r} holding ranks {ranks}")
+
+
+def _diloco_main(conn: multiprocessing.connection.Connection, socket: str,
+                 init: list[np.ndarray], grads: list[list[np.ndarray]], batch: int,
+                 kwargs: dict[str, Any]) -> None:
+    """DiLoCo with plain SGD inside (lr 0.1) and outside (lr 1): after one sync the global
+    copy is its start minus the group's weighted mean of 0.1 x the gradients' sum."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in init]
+    opt = moshpit.Optimizer(torch.optim.SGD(params, lr=0.1), client=socket,
+                            outer_optimizer=torch.optim.SGD(params, lr=1.0),
+                            average_every=len(grads), timeout=30.0, group_size=2, **kwargs)
+    for step in grads:
+        for p, g in zip(params, step, strict=True):
+            p.grad = torch.from_numpy(g)
+        opt.step(batch_size=batch)
+    opt.finish()
+    assert opt.diloco is not None
+    conn.send((opt.rounds_done, repr(opt.last_error),
+               [g.detach().numpy() for g in opt.diloco.global_params],
+               None if opt.last_round is None else dataclasses.asdict(opt.last_round)))
+    opt.close()
+
+
+def diloco_trainer(socket: str, init: list[np.ndarray], grads: list[list[np.ndarray]],
+                   batch: int, **kwargs: Any) -> Trainer:
+    """A trainer process running moshpit.Optimizer in DiLoCo mode for one sync."""
+    trainer = Trainer.__new__(Trainer)
+    ctx = context()
+    trainer.conn, child = ctx.Pipe(duplex=False)
+    trainer.proc = ctx.Process(target=_diloco_main, args=(child, socket, init, grads, batch,
+                                                          kwargs), daemon=True)
+    trainer.proc.start()
+    child.close()
+    return trainer

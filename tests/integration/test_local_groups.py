@@ -12,7 +12,7 @@ import pytest
 import moshpit
 from moshpitd.launcher import LocalSwarm
 from tests.integration.helpers import wait_until, weighted_mean
-from tests.integration.local_trainers import Trainer, context, wait_ranks
+from tests.integration.local_trainers import Trainer, context, diloco_trainer, wait_ranks
 
 # the local deadline is one matchmaking attempt (RoundClock.local_deadline): long enough for
 # the kill test to line its trainers up, short enough to wait for
@@ -200,3 +200,37 @@ def test_disagreeing_shard_ranks_fail_the_host_naming_the_rank(hosts: LocalSwarm
                 assert name == "LocalMismatch" and rank == 1, message
             assert ("says local_world=3, the first said 2" if key == "shard-world"
                     else "is in the other mode: the group holds shards") in message
+
+
+@pytest.mark.parametrize("mode", ["replicas", "shards"])
+def test_diloco_optimizer_takes_local_world(hosts: LocalSwarm, mode: str) -> None:
+    """moshpit.Optimizer passes local_world (and local_rank) through: DiLoCo with 2 hosts x 2
+    local trainers takes the outer step on the weighted mean of the hosts' pseudo-gradients.
+    Replicas each hold every tensor; shards hold tensor 0 (rank 0) and the rest (rank 1)."""
+    rng = np.random.default_rng(60)
+    init = [rng.standard_normal(shape).astype(np.float32) for shape, _ in SHAPES]
+    steps, batches = 2, [1, 2, 3, 4]  # trainer i = host i // 2, local trainer i % 2
+    held = [[0, 1, 2]] * 4 if mode == "replicas" else [[0], [1, 2]] * 2
+    grads = [[[rng.standard_normal(init[k].shape).astype(np.float32) for k in held[i]]
+              for _ in range(steps)] for i in range(4)]
+    trainers = [diloco_trainer(hosts.sockets[i // 2], [init[k] for k in held[i]], grads[i],
+                               batches[i], key=f"diloco-{mode}", local_world=2,
+                               **({"local_rank": i % 2} if mode == "shards" else {}))
+                for i in range(4)]
+    # each trainer's pseudo-gradient is 0.1 x the sum of its gradients, weighted by its
+    # samples; for shards a host's vector weighs the sum of its ranks' samples
+    weight = [steps * b for b in batches]
+    if mode == "shards":
+        weight = [weight[0] + weight[1]] * 2 + [weight[2] + weight[3]] * 2
+    pseudo: dict[int, list[tuple[np.ndarray, float]]] = {k: [] for k in range(len(init))}
+    for i in range(4):
+        for j, k in enumerate(held[i]):
+            pseudo[k].append((0.1 * sum(g[j] for g in grads[i]), weight[i]))
+    want = [init[k] - weighted_mean([p for p, _ in pseudo[k]], [w for _, w in pseudo[k]])
+            for k in range(len(init))]
+    for i, t in enumerate(trainers):
+        rounds, error, global_params, info = t.result()
+        assert rounds == 1, error
+        assert info["group_size"] == 2 and info["local_ranks"] == (0, 1), info
+        for g, k in zip(global_params, held[i], strict=True):
+            np.testing.assert_allclose(g, want[k], rtol=1e-5, atol=1e-5)
