@@ -194,15 +194,24 @@ class Client:
             self.last_round = _round_info(reply)
             if shared is not None:
                 return tensors
-            return [v.clone().reshape(t.shape).to(t.device)
-                    for v, t in zip(views, tensors, strict=True)]
+            # a CPU result must leave the buffer the next call reuses; a device tensor is
+            # copied out of it by the transfer itself (no host copy in between)
+            return [v.clone().reshape(t.shape) if t.device.type == "cpu" else
+                    v.reshape(t.shape).to(t.device) for v, t in zip(views, tensors, strict=True)]
 
     def share(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of `tensors` that live in memory shared with the daemon.
 
         `average` averages such tensors in place, with no copy on either side: keep a
-        model's parameters in them (`p.data = shared`) to hand a round over for free."""
+        model's parameters in them (`p.data = shared`) to hand a round over for free.
+        They live in host memory: CPU tensors only (average() copies device tensors through
+        the shared buffer itself)."""
         tensors = list(tensors)
+        for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                raise TypeError(f"tensor {i} is on {t.device}: share() makes tensors in host "
+                                "memory shared with the daemon; pass device tensors to "
+                                "average() as they are, which copies them through that memory")
         specs, size = _layout(tensors)
         with self._lock:
             bid = len(self._shared) + 1

@@ -19,8 +19,8 @@ _FORKS: multiprocessing.context.ForkServerContext | None = None
 
 
 def context() -> multiprocessing.context.ForkServerContext:
-    """Trainers fork from a server that imported torch and moshpit once (seconds of CPU that
-    a fresh interpreter per trainer would spend again)."""
+    """Trainers fork from a server that imported torch, torch._dynamo (the first optimizer
+    step imports it) and moshpit once: seconds of CPU that each trainer would spend again."""
     global _FORKS
     if _FORKS is None:
         _FORKS = multiprocessing.get_context("forkserver")

@@ -8,10 +8,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 
 import moshpit
 from moshpitd.launcher import LocalSwarm
-from tests.integration.helpers import wait_until, weighted_mean
+from tests.integration.helpers import run_parallel, wait_until, weighted_mean
 from tests.integration.local_trainers import Trainer, context, diloco_trainer, wait_ranks
 
 # the local deadline is one matchmaking attempt (RoundClock.local_deadline): long enough for
@@ -234,3 +235,30 @@ def test_diloco_optimizer_takes_local_world(hosts: LocalSwarm, mode: str) -> Non
         assert info["group_size"] == 2 and info["local_ranks"] == (0, 1), info
         for g, k in zip(global_params, held[i], strict=True):
             np.testing.assert_allclose(g, want[k], rtol=1e-5, atol=1e-5)
+
+
+# --- device tensors: averaged through the shared buffer (host memory) ---------------------
+def test_share_refuses_device_tensors(hosts: LocalSwarm) -> None:
+    with moshpit.Client(hosts.sockets[0]) as c, pytest.raises(TypeError, match="tensor 1 is on"):
+        c.share([torch.zeros(3), torch.empty(3, device="meta")])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device here: the CUDA path (device tensors copied through "
+                    "the shared buffer) is untested on this machine")
+def test_cuda_tensors_average_through_a_local_group(hosts: LocalSwarm) -> None:
+    inputs = [tensors(70 + i) for i in range(3)]
+    clients = [moshpit.Client(hosts.sockets[i // 2]) for i in range(3)]
+
+    def call(i: int) -> list[torch.Tensor]:
+        local = {"local_world": 2} if i < 2 else {}
+        return clients[i].average([torch.from_numpy(a).cuda() for a in inputs[i]],
+                                  key="cuda", timeout=30, **local)
+
+    results = run_parallel([lambda i=i: call(i) for i in range(3)])
+    for out in results:
+        assert not isinstance(out, Exception), out
+        assert all(t.device.type == "cuda" for t in out)
+        assert_mean([t.cpu().numpy() for t in out], inputs, [1.0, 1.0, 1.0])
+    for c in clients:
+        c.close()
