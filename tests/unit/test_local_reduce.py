@@ -24,7 +24,7 @@ def replicas(n: int, sizes: list[int], seed: int) -> list[list[np.ndarray]]:
              for k, size in enumerate(sizes)] for _ in range(n)]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 5), sizes=st.lists(st.sampled_from([0, 1, 7, CHUNK - 1, CHUNK + 3]),
                                            min_size=1, max_size=4),
        weights=st.lists(st.floats(0.0, 100.0), min_size=5, max_size=5), seed=st.integers(0, 99))
