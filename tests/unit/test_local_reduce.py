@@ -109,3 +109,14 @@ def test_disagreement_says_what_differs(other: AverageRequest, shards: bool,
     if shards and other.local_rank is None:
         other = AverageRequest(**{**other.__dict__, "local_rank": 1})
     assert disagreement(first, other, shards) == says
+
+
+def test_moshpit_status_shows_the_local_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    from moshpit.cli import show_status
+
+    status = {"peer_id": "ab", "dht": "d", "grpc": "g", "dht_peers": 1, "rounds_done": 0,
+              "rounds_failed": 0, "local_groups": {
+                  "run1": {"mode": "replicas", "local_world": 3, "ranks": [0, 2],
+                           "state": "gathering"}}}
+    show_status({"status": status})
+    assert "local group  run1: replicas, ranks 0, 2 of 3, gathering" in capsys.readouterr().out
