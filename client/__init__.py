@@ -11,6 +11,9 @@ from moshpit.errors import (
     GridMismatch,
     GroupNotFound,
     InvalidRequest,
+    LocalLate,
+    LocalMismatch,
+    LocalRankMissing,
     MoshpitError,
     ProtocolError,
     RoundTimeout,
@@ -25,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AGGREGATIONS", "AllreduceFailed", "Client", "DaemonBusy", "DaemonError",
     "DaemonShuttingDown", "DaemonUnavailable", "DuplicateRequest", "GridMismatch",
-    "GroupNotFound", "InvalidRequest", "MoshpitError", "Optimizer", "ProtocolError",
+    "GroupNotFound", "InvalidRequest", "LocalLate", "LocalMismatch", "LocalRankMissing",
+    "MoshpitError", "Optimizer", "ProtocolError",
     "RoundInfo", "RoundTimeout", "SchemaMismatch", "StateUnavailable", "VersionMismatch",
 ]

@@ -29,6 +29,10 @@ def show_status(reply: dict[str, Any]) -> None:
     print(f"rounds done  {st['rounds_done']} ({st['rounds_failed']} failed)")
     if st.get("draining"):
         print("state        draining (shutting down)")
+    for key, g in sorted(st.get("local_groups", {}).items()):  # this host's trainers as one peer
+        ranks = ", ".join(str(r) for r in g["ranks"])
+        print(f"local group  {key}: {g['mode']}, ranks {ranks or '-'} of {g['local_world']}, "
+              f"{g['state']}")
 
 
 def show_peers(peers: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from moshpitd.ipc.schema import (
     AGGREGATIONS,
     DEFAULT_TIMEOUT,
     LOCAL_REPLY_TIMEOUT,
+    MAX_LOCAL_WORLD,
     REPLY_MARGIN,
     aligned,
 )
@@ -45,6 +46,21 @@ def check_aggregation(aggregation: str) -> str:
         raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, not "
                          f"{aggregation!r}")
     return aggregation
+
+
+def check_local(local_world: int | None, local_rank: int | None
+                ) -> tuple[int | None, int | None]:
+    """local_world (this host's trainers that average as one peer) and local_rank (a shard's
+    rank; None for replicas), as the daemon will take them."""
+    if local_world is None:
+        if local_rank is not None:
+            raise ValueError("local_rank needs local_world (the count of the host's shards)")
+        return None, None
+    if not 1 <= int(local_world) <= MAX_LOCAL_WORLD:
+        raise ValueError(f"local_world must be in 1..{MAX_LOCAL_WORLD}, not {local_world}")
+    if local_rank is not None and not 0 <= int(local_rank) < int(local_world):
+        raise ValueError(f"local_rank must be in 0..{int(local_world) - 1}, not {local_rank}")
+    return int(local_world), None if local_rank is None else int(local_rank)
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,10 @@ class RoundInfo:
     spans: tuple[tuple[int, int, int], ...] = ()
     members: tuple[str, ...] = ()  # peer ids of the group, bit i of a mask = members[i]
     owned: int = 0  # elements this peer reduced for its group (0 in client mode)
+    # With local_world: this trainer's local rank (a replica's is its order of arrival in the
+    # round) and the local ranks whose values the host sent (replicas left out are missing)
+    local_rank: int | None = None
+    local_ranks: tuple[int, ...] = ()
 
     @property
     def fully_averaged(self) -> bool:
@@ -102,7 +122,8 @@ def _round_info(reply: wire.AverageReply) -> RoundInfo:
         coords=None if reply.coords is None else tuple(reply.coords),
         group_sizes=tuple(reply.group_sizes),
         spans=tuple((a, b, m) for a, b, m in reply.spans),
-        members=tuple(reply.members), owned=reply.owned)
+        members=tuple(reply.members), owned=reply.owned, local_rank=reply.local_rank,
+        local_ranks=tuple(reply.local_ranks))
 
 
 class Client:
@@ -131,7 +152,8 @@ class Client:
                 timeout: float = DEFAULT_TIMEOUT, group_size: int = 16, min_group_size: int = 2,
                 grid: tuple[int, int] | None = None, rounds: int = 1,
                 initial_coords: Sequence[int] | None = None,
-                codec: str = "none", aggregation: str = "mean") -> list[torch.Tensor]:
+                codec: str = "none", aggregation: str = "mean", local_world: int | None = None,
+                local_rank: int | None = None) -> list[torch.Tensor]:
         """Weighted average of `tensors` with the peers averaging under `key`.
 
         With grid=(M, d), `key` names a run on the Moshpit grid: each call averages with this
@@ -140,10 +162,14 @@ class Client:
         `codec` (none, fp16, bf16, int8, int4) compresses parts on the wire; peers must agree.
         `aggregation` (mean, trimmed_mean, centered_clip) is how the group combines values:
         the robust ones bound what a minority of bad peers can do; peers must agree.
+        `local_world=N`: this is one of N trainers of this host whose daemon averages them as
+        one peer; without `local_rank` they are replicas (the daemon averages their weighted
+        mean, weighted by their sum), with it the shards of one vector in rank order.
         Returns new tensors (same shapes, dtypes, devices) and leaves the inputs untouched,
         except for tensors made by `share()`: those are averaged in place and returned."""
         tensors = list(tensors)
         check_aggregation(aggregation)
+        local_world, local_rank = check_local(local_world, local_rank)
         with self._lock:
             shared = self._shared_layout(tensors)
             if shared is not None:  # tensors from share(): averaged where they lie
@@ -161,21 +187,31 @@ class Client:
                 group_size=int(group_size), min_group_size=int(min_group_size),
                 grid=None if grid is None else [int(grid[0]), int(grid[1])],
                 rounds=int(rounds), codec=str(codec), buffer=bid, aggregation=aggregation,
+                local_world=local_world, local_rank=local_rank,
                 initial_coords=None if initial_coords is None else [int(c) for c in
                                                                     initial_coords],
             ), wire.AverageReply, timeout=timeout + REPLY_MARGIN)
             self.last_round = _round_info(reply)
             if shared is not None:
                 return tensors
-            return [v.clone().reshape(t.shape).to(t.device)
-                    for v, t in zip(views, tensors, strict=True)]
+            # a CPU result must leave the buffer the next call reuses; a device tensor is
+            # copied out of it by the transfer itself (no host copy in between)
+            return [v.clone().reshape(t.shape) if t.device.type == "cpu" else
+                    v.reshape(t.shape).to(t.device) for v, t in zip(views, tensors, strict=True)]
 
     def share(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of `tensors` that live in memory shared with the daemon.
 
         `average` averages such tensors in place, with no copy on either side: keep a
-        model's parameters in them (`p.data = shared`) to hand a round over for free."""
+        model's parameters in them (`p.data = shared`) to hand a round over for free.
+        They live in host memory: CPU tensors only (average() copies device tensors through
+        the shared buffer itself)."""
         tensors = list(tensors)
+        for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                raise TypeError(f"tensor {i} is on {t.device}: share() makes tensors in host "
+                                "memory shared with the daemon; pass device tensors to "
+                                "average() as they are, which copies them through that memory")
         specs, size = _layout(tensors)
         with self._lock:
             bid = len(self._shared) + 1

@@ -95,6 +95,34 @@ class RoundTimeout(MoshpitError):
     code = ErrorCode.ROUND_TIMEOUT
 
 
+class LocalRankMissing(MoshpitError):
+    """A shard rank of this host left or never came (`rank`: the first missing): the host's
+    vector was incomplete, so every rank failed and nothing was sent."""
+
+    code = ErrorCode.LOCAL_RANK_MISSING
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class LocalMismatch(InvalidRequest):
+    """Local trainers under the key disagree on local_world, the mode, the tensors or the
+    round's options (`rank`: the one that differs from the first to come)."""
+
+    code = ErrorCode.LOCAL_MISMATCH
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class LocalLate(MoshpitError):
+    """This trainer came after its local group had left for the round: it keeps its values."""
+
+    code = ErrorCode.LOCAL_LATE
+
+
 class DaemonError(MoshpitError):
     """The daemon failed in a way it did not anticipate (a bug): its log has the traceback."""
 
@@ -105,7 +133,7 @@ class DaemonError(MoshpitError):
 CODED: tuple[type[MoshpitError], ...] = (
     InvalidRequest, ProtocolError, VersionMismatch, DaemonBusy, DaemonShuttingDown,
     DuplicateRequest, GroupNotFound, SchemaMismatch, GridMismatch, AllreduceFailed,
-    RoundTimeout, StateUnavailable, DaemonError)
+    RoundTimeout, StateUnavailable, LocalRankMissing, LocalMismatch, LocalLate, DaemonError)
 BY_CODE: dict[str, type[MoshpitError]] = {str(cls.code): cls for cls in CODED}
 
 
@@ -113,4 +141,8 @@ def from_reply(reply: dict[str, object]) -> MoshpitError:
     """The exception an error reply stands for; its message starts with the code."""
     code = str(reply.get("error", "unknown"))
     message = str(reply.get("message", "the daemon reported an error"))
-    return BY_CODE.get(code, MoshpitError)(f"{code}: {message}")
+    cls = BY_CODE.get(code, MoshpitError)
+    if issubclass(cls, LocalRankMissing | LocalMismatch):
+        rank = reply.get("rank")
+        return cls(f"{code}: {message}", rank if isinstance(rank, int) else None)
+    return cls(f"{code}: {message}")

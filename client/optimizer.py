@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from moshpit.client import Client, RoundInfo, check_aggregation
+from moshpit.client import Client, RoundInfo
 from moshpit.diloco import OuterConfig, OuterLoop, RoundFuture
 from moshpit.errors import DaemonUnavailable, MoshpitError
 from moshpit.link import DaemonLink, in_background
+from moshpit.round_args import RoundArgs
 from moshpit.trainer_state import (
     AveragingClient,
     PendingRound,
@@ -52,7 +53,8 @@ class Optimizer(WrappedOptimizer):
     `client` is a moshpit.Client or a socket path; after a DaemonUnavailable the next round
     opens a new connection to the same socket (a fresh Client replaces `opt.client`).
     `grid`, `group_size`, `min_group_size`, `timeout`, `codec`, `initial_coords`,
-    `aggregation` go to Client.average as they are.
+    `aggregation`, `local_world` and `local_rank` go to Client.average as they are
+    (client/round_args.py).
 
     DiLoCo: `outer_optimizer` (any torch optimizer over the same parameters), `fragments`,
     `delay`, `mix`, `error_feedback` (default: on for int8 and int4); see client/diloco.py.
@@ -66,7 +68,8 @@ class Optimizer(WrappedOptimizer):
                  share_memory: bool = True, publish_every: int = 1,
                  aggregation: str = "mean",
                  outer_optimizer: torch.optim.Optimizer | None = None, fragments: int = 1,
-                 delay: int = 0, mix: float = 0.0, error_feedback: bool | None = None) -> None:
+                 delay: int = 0, mix: float = 0.0, error_feedback: bool | None = None,
+                 local_world: int | None = None, local_rank: int | None = None) -> None:
         if average_every < 1:
             raise ValueError(f"average_every must be >= 1, not {average_every}")
         self.diloco: OuterLoop | None = None
@@ -81,13 +84,12 @@ class Optimizer(WrappedOptimizer):
                                     succeeded=self._succeeded)
         elif (fragments, delay, mix, error_feedback) != (1, 0, 0.0, None):
             raise ValueError("fragments, delay, mix and error_feedback need outer_optimizer")
-        self.aggregation = check_aggregation(aggregation)
+        self.args = RoundArgs(key, grid, group_size, min_group_size, timeout, codec,
+                              None if initial_coords is None else tuple(initial_coords),
+                              aggregation, local_world, local_rank)
         self.optimizer = optimizer
-        self.key, self.average_every, self.grid = key, average_every, grid
-        self.group_size, self.min_group_size = group_size, min_group_size
+        self.key, self.average_every = key, average_every
         self.average_state, self.model, self.overlap = average_state, model, overlap
-        self.timeout, self.codec = timeout, codec
-        self.initial_coords = None if initial_coords is None else tuple(initial_coords)
         self.share_memory = share_memory
         self.publish_every = publish_every  # rounds between state snapshots for joiners (0: off)
         self.link = DaemonLink(client, key)  # a socket path: connected now if it can be
@@ -138,12 +140,7 @@ class Optimizer(WrappedOptimizer):
         finished and applied first. With an outer optimizer: an outer step of every fragment
         at once (pseudo-gradients since each one's last sync)."""
         self.finish()
-        group = max(self.group_size, min_group_size or 0)
-        # A peer still in its last regular round (its partners already left for the sync)
-        # reaches the sync only when that round times out: wait long enough to include it.
-        args = dict(key=f"{self.key}/sync", grid=None, initial_coords=None, group_size=group,
-                    min_group_size=min_group_size or self.min_group_size,
-                    timeout=timeout or 2 * self.timeout + 5.0)
+        args = self.args.sync_overrides(min_group_size, timeout)
         if self.diloco is not None:
             return self.diloco.sync_all({**args, "rounds": 1})
         return self._average_blocking(args)
@@ -283,12 +280,8 @@ class Optimizer(WrappedOptimizer):
         (all-zero weights would make the group's mean undefined)."""
         client = self.client
         assert client is not None
-        args: dict[str, Any] = dict(key=self.key, timeout=self.timeout,
-                                    group_size=self.group_size,
-                                    min_group_size=self.min_group_size, grid=self.grid,
-                                    codec=self.codec, initial_coords=self.initial_coords,
-                                    aggregation=self.aggregation)
-        out = client.average(wire, weight=weight, **{**args, **(overrides or {})})
+        out = client.average(wire, weight=weight,
+                             **{**self.args.average_kwargs(), **(overrides or {})})
         if len(out) != len(wire):
             raise MoshpitError(f"the client returned {len(out)} tensors for {len(wire)}")
         return list(out), getattr(client, "last_round", None)
@@ -354,7 +347,7 @@ class Optimizer(WrappedOptimizer):
     # --- live state for joiners -----------------------------------------------------------
     @property
     def state_key(self) -> str:
-        return f"{self.key}/state"
+        return self.args.state_key
 
     def publish_state(self) -> bool:
         """Hand this peer's state to its daemon, which serves it to peers that join later
@@ -364,10 +357,11 @@ class Optimizer(WrappedOptimizer):
             return False
         try:
             if self.diloco is not None:  # the global copy and the outer state
-                self.diloco.publish(self.client, self.state_key, self.local_step, self.timeout)
+                self.diloco.publish(self.client, self.state_key, self.local_step,
+                                    self.args.timeout)
             else:
                 publish(self.client, self.state_key, self.optimizer, self.model,
-                        self.local_step, self.timeout)
+                        self.local_step, self.args.timeout)
         except MoshpitError as exc:
             log.warning("moshpit %s: publishing state failed: %s", self.key, exc)
             return False

@@ -40,7 +40,8 @@ class AveragingClient(Protocol):
                 timeout: float = DEFAULT_TIMEOUT, group_size: int = 16, min_group_size: int = 2,
                 grid: tuple[int, int] | None = None, rounds: int = 1,
                 initial_coords: Sequence[int] | None = None,
-                codec: str = "none", aggregation: str = "mean") -> list[torch.Tensor]: ...
+                codec: str = "none", aggregation: str = "mean", local_world: int | None = None,
+                local_rank: int | None = None) -> list[torch.Tensor]: ...
 
     def share(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 

@@ -64,6 +64,13 @@ class RoundClock:
         """Seconds for one matchmaking attempt: the setting's bound, within the request."""
         return max(min(self.attempt_max, self.remaining(now)), 0.0)
 
+    def local_deadline(self) -> float:
+        """When a host's local trainers (moshpitd/local/) stop waiting for each other, the
+        clock started by the first of them: one matchmaking attempt, as a peer that late would
+        miss the swarm's matchmaking anyway, and at most half the request, so the swarm round
+        keeps the other half."""
+        return self.start + min(self.attempt_max, (self.final - self.start) / 2)
+
     def allreduce(self, wire_bytes: int, now: float | None = None) -> RoundDeadlines:
         """The butterfly round's deadlines, for a round that moves `wire_bytes` (sent plus
         received, encoded: RoundPlan.wire_bytes) and starts now. A member still sending past

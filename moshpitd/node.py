@@ -19,6 +19,7 @@ from moshpitd.clock import stream_wait
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.hooks import NO_HOOKS, Hooks
+from moshpitd.local.group import LocalGroups
 from moshpitd.matchmaking.admission import JoinAdmission
 from moshpitd.matchmaking.errors import DuplicateRequest
 from moshpitd.matchmaking.matchmaker import (
@@ -87,6 +88,8 @@ class MoshpitNode:
                                if getattr(self.dht, "protocol", None) else {})
         self.draining = False
         self._runner: RoundRunner | None = None
+        self.local = LocalGroups(self._average_view, lambda timeout: self.runner.clock(timeout),
+                                 lambda key: key in self._active)
 
     @property
     def peer_id(self) -> bytes:
@@ -149,6 +152,7 @@ class MoshpitNode:
         released, our declarations withdrawn), rounds already averaging finish within
         `timeout`, and our DHT records are withdrawn so nobody waits for us."""
         self.draining = True  # from here no round starts matchmaking (see RoundRunner)
+        self.local.drain()
         await self.server.draining()
         for task in self._runner.finding.values() if self._runner is not None else ():
             task.cancel("daemon is draining")
@@ -191,6 +195,7 @@ class MoshpitNode:
             "rounds_failed": self.log.failed,
             "draining": self.draining,
             "active_keys": sorted(self.matchmakers),
+            "local_groups": self.local.status(),
             "runs": {name: {"grid": [r.grid.size, r.grid.dims], "coords": r.coords,
                             "round": r.round} for name, r in self.runs.items()},
         }
@@ -213,12 +218,25 @@ class MoshpitNode:
     # --- one averaging request ------------------------------------------------------------
     async def average(self, request: AverageRequest, buffer: memoryview) -> AverageResult:
         view = FlatView(buffer, request.specs)
+        if request.local_world is not None:  # one of this host's trainers (moshpitd/local/)
+            self._admit(request, view)
+            return await self.local.join(request, view, buffer)
+        if self.local.holds(request.key):
+            raise DuplicateRequest(f"this daemon's local trainers are averaging under key "
+                                   f"{request.key!r}: pass local_world like them")
+        return await self._average_view(request, view)
+
+    def _admit(self, request: AverageRequest, view: FlatView) -> None:
         total = sum(spec.nbytes for spec in view.specs)
         if total > self.config.max_request_bytes:
             raise ValueError(f"request carries {total} tensor bytes, over this daemon's limit "
                              f"{self.config.max_request_bytes} (setting max_request_bytes)")
         if self.draining:
             raise ShuttingDown("moshpitd is shutting down: it takes no new rounds")
+
+    async def _average_view(self, request: AverageRequest, view: FlatView) -> AverageResult:
+        """One peer's request with the swarm: a trainer's, or a local group's."""
+        self._admit(request, view)
         if request.key in self._active:
             raise DuplicateRequest(f"this daemon is already averaging under key {request.key!r}")
         task = asyncio.current_task()

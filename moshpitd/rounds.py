@@ -28,6 +28,8 @@ class AverageRequest:
     initial_coords: tuple[int, ...] | None = None
     codec: str = "none"
     aggregation: str = "mean"  # or trimmed_mean, centered_clip (moshpitd/allreduce/robust.py)
+    local_world: int | None = None  # one of this host's local trainers (moshpitd/local/)
+    local_rank: int | None = None  # its shard's rank; None: a replica
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class AverageResult:
     spans: tuple[tuple[int, int, int], ...] = ()  # of the last all-reduce: start, stop, mask
     members: tuple[str, ...] = ()  # peer ids of the last group, in mask bit order
     owned: int = 0  # elements this peer reduced in the last all-reduce
+    local_rank: int | None = None  # a local trainer's rank (a replica's order of arrival)
+    local_ranks: tuple[int, ...] = ()  # the local trainers the host's contribution holds
 
     @property
     def last(self) -> RoundRecord:

@@ -22,15 +22,19 @@ class ErrorCode(enum.StrEnum):
     ALLREDUCE_FAILED = "allreduce_failed"  # a group formed, its all-reduce failed
     ROUND_TIMEOUT = "round_timeout"  # a round's step ran out of the request's time
     STATE_UNAVAILABLE = "state_unavailable"  # no donor gave the state in time
+    LOCAL_RANK_MISSING = "local_rank_missing"  # a shard rank of this host left or never came
+    LOCAL_MISMATCH = "local_mismatch"  # local trainers under the key disagree (names the rank)
+    LOCAL_LATE = "local_late"  # the local group had left for its round when this trainer came
     INTERNAL_ERROR = "internal_error"  # a daemon bug: its log has the traceback
 
 
 class IPCError(Exception):
     """A request refused or failed, with the code its reply carries."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, **extra: int | str) -> None:
         super().__init__(message)
         self.code = code
+        self.extra = extra  # fields the error reply carries besides code and message
 
 
 class FieldError(IPCError):

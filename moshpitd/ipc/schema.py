@@ -25,7 +25,8 @@ from typing import Any
 from moshpitd.ipc.errors import ErrorCode, FieldError, IPCError
 from moshpitd.ipc.message import Message, decode, encode
 
-IPC_PROTOCOL = 2  # 1: the unversioned protocol (errors named by Python class, no handshake)
+# 1: the unversioned protocol (errors named by Python class, no handshake); 3: local groups
+IPC_PROTOCOL = 3
 MAX_FRAME = 1 << 20  # bytes of one frame's payload: control messages only, never tensor bytes
 LENGTH_PREFIX = 4  # bytes of a frame's big-endian length
 BUFFER_ALIGN = 64  # bytes: every tensor in a shared buffer (and a state snapshot) starts here
@@ -35,6 +36,7 @@ MAX_KEY = 256  # characters of a key
 MAX_TIMEOUT = 3600.0  # s: the longest a request may ask for
 MAX_TENSORS = 100_000  # tensors in one request
 MAX_ROUNDS = 1000  # rounds of one grid request
+MAX_LOCAL_WORLD = 1024  # local trainers of one host averaging as one peer (moshpitd/local/)
 DEFAULT_TIMEOUT = 30.0  # s: a request's timeout when it names none
 # s a trainer waits for a reply beyond the request's own timeout: the daemon's round ends
 # within that timeout (moshpitd/clock.py); the margin covers a daemon under load writing the
@@ -122,6 +124,10 @@ class AverageRequest(Message):
     codec: str = "none"
     aggregation: str = "mean"
     buffer: int = 0
+    # One of local_world trainers of this host, which average as one peer: replicas (no
+    # local_rank) or the shards of one vector, in rank order (moshpitd/local/)
+    local_world: int | None = None
+    local_rank: int | None = None
 
     def validate(self) -> None:
         op = self.OP
@@ -146,6 +152,14 @@ class AverageRequest(Message):
             raise FieldError(op, "aggregation", f"is {self.aggregation!r}, not one of "
                              f"{', '.join(AGGREGATIONS)}")
         _check_buffer(op, self.buffer)
+        if self.local_world is not None and not 1 <= self.local_world <= MAX_LOCAL_WORLD:
+            raise FieldError(op, "local_world", f"must be in 1..{MAX_LOCAL_WORLD}")
+        if self.local_rank is not None:
+            if self.local_world is None:
+                raise FieldError(op, "local_rank", "needs local_world (the shards' count)")
+            if not 0 <= self.local_rank < self.local_world:
+                raise FieldError(op, "local_rank", f"must be in 0..{self.local_world - 1} "
+                                 f"(local_world {self.local_world})")
 
 
 @dataclass(frozen=True)
@@ -162,6 +176,10 @@ class AverageReply(Message):
     spans: list[list[int]]  # [start, stop, members' bitmask] over the flat tensors
     members: list[str]  # peer ids: bit i of a mask is members[i]
     owned: int  # elements this peer reduced
+    # with local_world: this trainer's local rank (replicas: its order of arrival), and the
+    # local ranks whose values the host's contribution holds
+    local_rank: int | None = None
+    local_ranks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -319,8 +337,8 @@ def decode_reply(op: str, frame: dict[str, Any]) -> Message:
 
 __all__ = [
     "AGGREGATIONS", "BUFFER_ALIGN", "DEFAULT_TIMEOUT", "IPC_PROTOCOL", "LENGTH_PREFIX",
-    "LOCAL_REPLY_TIMEOUT", "MAX_BUFFERS", "MAX_FRAME", "MAX_KEY", "MAX_ROUNDS", "MAX_TENSORS",
-    "MAX_TIMEOUT", "OPS", "REPLY_MARGIN", "ErrorCode", "FieldError", "IPCError", "Message",
-    "OpSpec", "aligned", "decode", "decode_reply", "encode", "error_frame", "reply_frame",
-    "request_frame", "split_request",
+    "LOCAL_REPLY_TIMEOUT", "MAX_BUFFERS", "MAX_FRAME", "MAX_KEY", "MAX_LOCAL_WORLD", "MAX_ROUNDS",
+    "MAX_TENSORS", "MAX_TIMEOUT", "OPS", "REPLY_MARGIN", "ErrorCode", "FieldError", "IPCError",
+    "Message", "OpSpec", "aligned", "decode", "decode_reply", "encode", "error_frame",
+    "reply_frame", "request_frame", "split_request",
 ]

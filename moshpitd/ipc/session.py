@@ -284,7 +284,8 @@ class Session:
                 log.exception("ipc session %d: %s failed", self.number, op)
                 frame = wire.error_frame(rid, ErrorCode.INTERNAL_ERROR, f"daemon error: {exc!r}")
             else:
-                frame = wire.error_frame(rid, code, str(exc) or repr(exc))
+                frame = wire.error_frame(rid, code, str(exc) or repr(exc),
+                                         **getattr(exc, "extra", {}))
         with contextlib.suppress(OSError):
             await self.conn.write_frame(frame)
 
@@ -319,7 +320,8 @@ class Session:
             raise FieldError("average", "codec", f"is {req.codec!r}, not one of "
                              f"{', '.join(CODECS)}")
         return AverageRequest(req.key, specs, req.weight, req.timeout, req.group_size,
-                              min_group, grid, req.rounds, coords, req.codec, req.aggregation)
+                              min_group, grid, req.rounds, coords, req.codec, req.aggregation,
+                              req.local_world, req.local_rank)
 
     async def _average(self, request: AverageRequest, buffer: SharedBuffer
                        ) -> wire.AverageReply:
@@ -335,7 +337,8 @@ class Session:
             coords=None if result.coords is None else list(result.coords),
             group_sizes=[max(r.group_size, 1) for r in rounds],
             spans=[list(span) for span in result.spans],
-            members=list(result.members), owned=result.owned)
+            members=list(result.members), owned=result.owned, local_rank=result.local_rank,
+            local_ranks=list(result.local_ranks))
 
     async def _peers(self) -> wire.PeersReply:
         peers = await self.node.peers()

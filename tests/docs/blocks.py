@@ -9,6 +9,8 @@ run it. An HTML comment on the line before the fence (blank lines between are al
   shared swarm through `MOSHPIT_SOCKET`; each of their daemons must then have recorded a
   round that averaged with a peer. Without it one copy runs, on the swarm's last daemon.
   `same-output` (with trainers=N): every copy must print the same thing (a consensus).
+  `per-host=K` (with trainers=N): K trainers share each daemon, as torchrun starts them on one
+  host: trainer i talks to daemon i // K with LOCAL_RANK=i % K and LOCAL_WORLD_SIZE=K.
 - `<!-- run: until "REGEX" -->` (shell): the block runs until stopped, like a daemon in the
   foreground; once its output matches REGEX it gets SIGINT (Ctrl-C) and must exit 0.
 
@@ -74,6 +76,10 @@ class Block:
         return int(self.marker.options.get("trainers", "1")) if self.marker else 1
 
     @property
+    def per_host(self) -> int:
+        return int(self.marker.options.get("per-host", "1")) if self.marker else 1
+
+    @property
     def same_output(self) -> bool:
         return self.marker is not None and "same-output" in self.marker.options
 
@@ -110,9 +116,10 @@ def _options(marker_text: str, where: str) -> dict[str, str]:
             i += 1
             continue
         name, sep, value = word.partition("=")
-        if name != "trainers" or not sep or not value.isdigit() or not 1 <= int(value) <= 4:
+        if name not in ("trainers", "per-host") or not sep or not value.isdigit() \
+                or not 1 <= int(value) <= 4:
             raise DocError(f"{where}: unknown run option {word!r} (trainers=1..4, "
-                           f"same-output, until \"REGEX\")")
+                           f"per-host=1..4, same-output, until \"REGEX\")")
         options[name] = value
         i += 1
     return options
@@ -184,6 +191,10 @@ def check(blocks: list[Block]) -> list[str]:
                 problems.append(f"{b.where}: until is for shell examples")
             if "same-output" in b.marker.options and b.trainers < 2:
                 problems.append(f"{b.where}: same-output needs trainers=2 or more")
+            if "per-host" in b.marker.options and (b.trainers % b.per_host
+                                                   or b.trainers // b.per_host < 2):
+                problems.append(f"{b.where}: per-host=K needs trainers=N, a multiple of K "
+                                "with N/K >= 2 (hosts to average between)")
     return problems
 
 

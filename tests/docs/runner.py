@@ -109,10 +109,19 @@ def _fail(block: Block, what: str, output: str) -> ExampleFailed:
 
 # --- python ------------------------------------------------------------------------------------
 def daemons_for(block: Block, swarm: LocalSwarm) -> list[int]:
-    """Trainer i of N uses daemon i; a lone trainer the last daemon, so that one joining a run
-    an earlier example started downloads from other daemons."""
+    """Trainer i of N uses daemon i (i // K with per-host=K); a lone trainer the last daemon,
+    so that one joining a run an earlier example started downloads from other daemons."""
     n = block.trainers
-    return list(range(n)) if n > 1 else [len(swarm.daemons) - 1]
+    return [i // block.per_host for i in range(n)] if n > 1 else [len(swarm.daemons) - 1]
+
+
+def trainer_env(block: Block, trainer: int, socket: str, workdir: Path) -> dict[str, str]:
+    """A trainer's environment; with per-host=K, torchrun's local rank and world as well."""
+    env = environment(socket, workdir)
+    if block.per_host > 1:
+        env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"] = str(trainer % block.per_host), \
+            str(block.per_host)
+    return env
 
 
 def averaged_rounds(sock: str, since: float) -> list[dict[str, Any]]:
@@ -160,10 +169,11 @@ def run_python(block: Block, swarm: LocalSwarm, workdir: Path) -> list[Outcome]:
     context = trainer_context()
     started = time.time()
     procs = []
-    for i in indices:
-        log = workdir / f"trainer{i}.log"
+    for n, i in enumerate(indices):
+        log = workdir / f"trainer{n}.log"
         proc = context.Process(target=trainer_main, args=(
-            str(script), str(workdir), environment(swarm.daemons[i].socket, workdir), str(log)))
+            str(script), str(workdir), trainer_env(block, n, swarm.daemons[i].socket, workdir),
+            str(log)))
         proc.start()
         procs.append((log, proc))
     outcomes = []
@@ -188,7 +198,7 @@ def run_python(block: Block, swarm: LocalSwarm, workdir: Path) -> list[Outcome]:
         raise _fail(block, "the trainers printed different things",
                     "\n".join(f"trainer {n}: {o.output}" for n, o in enumerate(outcomes)))
     if len(indices) > 1:
-        for i in indices:
+        for i in sorted(set(indices)):
             if not averaged_rounds(swarm.daemons[i].socket, started):
                 raise _fail(block, f"daemon d{i} recorded no round that averaged with a peer "
                             f"while the example ran", "\n\n".join(o.output for o in outcomes))

@@ -44,6 +44,12 @@ def test_markers_must_fit_their_block() -> None:
     assert "never run" in check(blocks("<!-- not-run: why -->\n```toml\na = 1\n```\n"))[0]
     assert "same-output needs" in check(blocks(
         "<!-- run: same-output -->\n```python\nx = 1\n```\n"))[0]
+    assert "per-host=K needs trainers=N" in check(blocks(
+        "<!-- run: trainers=3 per-host=2 -->\n```python\nx = 1\n```\n"))[0]
+    assert "per-host=K needs trainers=N" in check(blocks(
+        "<!-- run: trainers=2 per-host=2 -->\n```python\nx = 1\n```\n"))[0]
+    (two_hosts,) = blocks("<!-- run: trainers=4 per-host=2 -->\n```python\nx = 1\n```\n")
+    assert two_hosts.per_host == 2 and check([two_hosts]) == []
 
 
 @pytest.mark.parametrize("text, message", [

@@ -37,11 +37,12 @@ SAMPLES: dict[str, tuple[wire.Message, wire.Message]] = {
         wire.AverageRequest(key="run", tensors=[["float32", [2, 3], 0], ["float16", [], 64]],
                             weight=2.5, timeout=7.0, group_size=4, min_group_size=2,
                             grid=[4, 2], rounds=2, initial_coords=[1, 3], codec="fp16",
-                            aggregation="trimmed_mean", buffer=1),
+                            aggregation="trimmed_mean", buffer=1, local_world=4, local_rank=3),
         wire.AverageReply(group_size=4, seconds=0.5, matchmaking_seconds=0.25,
                           bytes_sent=100, bytes_received=120, round=7, coords=[1, 3],
                           group_sizes=[4, 3], spans=[[0, 6, 15], [6, 7, 0]],
-                          members=["aa", "bb", "cc", "dd"], owned=3)),
+                          members=["aa", "bb", "cc", "dd"], owned=3, local_rank=3,
+                          local_ranks=[0, 1, 2, 3])),
     "publish_state": (
         wire.PublishStateRequest(key="run", tensors=[["float64", [5], 0]],
                                  meta={"names": ["param.0"], "step": 3}, version=9,
@@ -165,6 +166,9 @@ def test_missing_unknown_and_wrongly_typed_fields_name_op_and_field(
     ({"aggregation": "median"}, "aggregation"), ({"buffer": 64}, "buffer"),
     ({"buffer": -1}, "buffer"), ({"tensors": [["float32", [1], 0]] * 100_001}, "tensors"),
     ({"grid": [4, 1.5]}, "grid"), ({"initial_coords": ["a"]}, "initial_coords"),
+    ({"local_world": 0}, "local_world"), ({"local_world": 1025}, "local_world"),
+    ({"local_rank": 0}, "local_rank"), ({"local_world": 2, "local_rank": 2}, "local_rank"),
+    ({"local_world": 2, "local_rank": -1}, "local_rank"),
 ])
 def test_out_of_range_average_fields_are_refused(fields: dict[str, Any], field: str) -> None:
     with pytest.raises(FieldError) as exc:
@@ -232,6 +236,13 @@ def test_every_code_is_raised_as_exactly_one_client_exception_and_back() -> None
         exc = client_errors.from_reply(wire.error_frame(3, code, "why"))
         assert type(exc) is cls and str(exc) == f"{code}: why"
         assert getattr(moshpit, cls.__name__) is cls  # public
+
+
+def test_local_errors_carry_the_rank_they_name() -> None:
+    for cls in (moshpit.LocalRankMissing, moshpit.LocalMismatch):
+        exc = client_errors.from_reply(wire.error_frame(1, cls.code, "rank 2", rank=2))
+        assert type(exc) is cls and exc.rank == 2
+    assert isinstance(moshpit.LocalMismatch("x"), moshpit.InvalidRequest)
 
 
 def test_codes_are_stable_strings_not_class_names() -> None:
