@@ -101,11 +101,11 @@ class Settings:
         "bytes per streamed part of a tensor; every daemon of a swarm must use the same")
     bandwidth: float = option(
         Float(0.0, 1e12, open_low=True), 1.0, AVERAGING,
-        "relative share of each averaged vector this peer reduces: a peer with 3.0 reduces "
-        "three times as much as one with 1.0",
+        "this peer's link rate, relative to its peers' (any unit, the same in a swarm): "
+        "leaders size spans so that the round's expected time is least at the declared rates",
         note="Raise it on machines with a fast network link. Bandwidths are self-reported, so "
         "no peer reduces more than twice an equal share of a group's vector, whatever it "
-        "declares.")
+        "declares; declaring less only lowers a peer's own share.")
     client_mode: bool = option(
         BOOL, False, AVERAGING,
         "this peer cannot accept incoming connections (behind NAT without port forwarding): "
