@@ -45,7 +45,7 @@ def test_mismatched_codec_is_refused(swarm_factory: Callable[..., LocalSwarm]) -
 
 
 def test_bandwidth_shares_and_client_mode(swarm_factory: Callable[..., LocalSwarm]) -> None:
-    swarm = swarm_factory(1)
+    swarm = swarm_factory(1, extra_args=["--bandwidth", "1"])  # declared: nothing measured
     boot = [swarm.daemons[0].dht]
     fast = start_daemon("fast", swarm.workdir, boot, extra_args=["--bandwidth", "3"])
     natted = start_daemon("nat", swarm.workdir, boot, extra_args=["--client-mode"])

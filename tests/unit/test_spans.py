@@ -1,14 +1,18 @@
-"""The optimal-span rule (allreduce/spans.py) against brute force on small groups."""
+"""The optimal-span rule (allreduce/spans.py) against brute force on small groups, and the
+rates it is fed (allreduce/rates.py)."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import random
+from dataclasses import dataclass
 
 import pytest
 
+from moshpitd.allreduce.deadlines import DeadlinePolicy
 from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.allreduce.rates import link_rates
 from moshpitd.allreduce.spans import optimal_shares, round_time
 
 GRID = 36  # brute force: every split of the vector in 1/GRID steps
@@ -93,3 +97,35 @@ def test_group_shares_leave_listeners_and_client_mode_peers_out() -> None:
     shares = Group(b"g" * 16, "k", 0, b"", members).shares
     assert shares[2:] == [0.0, 0.0, 0.0]
     assert shares[0] > shares[1] and math.isclose(sum(shares), 1.0)
+
+
+@dataclass
+class FakeChannel:
+    bytes_in: int
+    bytes_out: int
+    first_in: float = 0.0
+    last_in: float = 0.0
+    first_out: float = 0.0
+    last_out: float = 0.0
+
+
+def test_link_rates_add_concurrent_connections_and_skip_small_ones() -> None:
+    mib = 1 << 20
+    channels = [FakeChannel(4 * mib, 2 * mib, 1.0, 3.0, 1.0, 2.0),  # 2 MiB/s in, 2 out
+                FakeChannel(2 * mib, 8 * mib, 1.0, 2.0, 1.0, 5.0),  # 2 MiB/s in, 2 out
+                FakeChannel(1024, 1024, 1.0, 1.001, 1.0, 1.001)]  # latency: no rate
+    assert link_rates(channels) == (4 * mib, 4 * mib)
+    assert link_rates([]) == (0.0, 0.0)
+
+
+def test_the_first_measurement_replaces_the_prior_then_rates_are_averaged() -> None:
+    policy = DeadlinePolicy()
+    before = policy.link_mbit
+    policy.observe(8 << 20, 1.0, (0.0, 0.0))  # nothing timed: the prior stays
+    assert policy.link_mbit == before and not policy.measured
+    policy.observe(8 << 20, 1.0, (2.5e6, 5e6))
+    assert policy.link_mbit == pytest.approx(20.0)  # the slower way, in Mbit/s
+    policy.observe(8 << 20, 1.0, (5e6, 5e6))
+    assert 20.0 < policy.link_mbit < 40.0
+    policy.observe(1024, 1.0, (1e9, 1e9))  # a small round teaches nothing
+    assert policy.link_mbit < 40.0
