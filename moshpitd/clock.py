@@ -83,9 +83,11 @@ class RoundClock:
         return RoundDeadlines(budget, deadline, grace, hard, now + START_SHARE * budget,
                               STALL_SHARE * budget)
 
-    def learn(self, wire_bytes: int, seconds: float) -> None:
-        """A round that averaged everything teaches the rate (same unit as `allreduce`)."""
-        self.policy.observe(wire_bytes, seconds)
+    def learn(self, wire_bytes: int, seconds: float,
+              rates: tuple[float, float] = (0.0, 0.0)) -> None:
+        """A round that averaged everything teaches the rate (same unit as `allreduce`), and
+        our link's send and receive rates."""
+        self.policy.observe(wire_bytes, seconds, rates)
 
 
 @dataclass(frozen=True)

@@ -100,12 +100,14 @@ class Settings:
         Int(4096, 64 << 20, unit="bytes"), 1 << 20, AVERAGING,
         "bytes per streamed part of a tensor; every daemon of a swarm must use the same")
     bandwidth: float = option(
-        Float(0.0, 1e12, open_low=True), 1.0, AVERAGING,
-        "relative share of each averaged vector this peer reduces: a peer with 3.0 reduces "
-        "three times as much as one with 1.0",
-        note="Raise it on machines with a fast network link. Bandwidths are self-reported, so "
-        "no peer reduces more than twice an equal share of a group's vector, whatever it "
-        "declares.")
+        Float(0.0, 1e12, unit="Mbit/s"), 0.0, AVERAGING,
+        "the link rate this peer declares to its groups, which size spans so that a round's "
+        "expected time is least at the members' rates; 0: the rate it measures in its own "
+        "rounds (the slower of sending and receiving)",
+        note="A value above 0 overrides the measured rate (it is not a cap): set it where "
+        "measurements mislead, e.g. a link shared with other traffic. Rates are self-reported, "
+        "so no peer reduces more than twice an equal share of a group's vector, whatever it "
+        "declares; declaring less only lowers a peer's own share.")
     client_mode: bool = option(
         BOOL, False, AVERAGING,
         "this peer cannot accept incoming connections (behind NAT without port forwarding): "

@@ -191,7 +191,8 @@ class RoundRunner:
             attempt_seconds=attempt, expected=expected, codec=request.codec,
             client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,
         )
-        me = Self(self.me.peer_id, self.me.grpc, self.me.data, self.config.bandwidth)
+        me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure
+                  self.config.bandwidth or self.deadlines.link_mbit)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe, self.hooks)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt
@@ -226,7 +227,8 @@ class RoundRunner:
         finally:
             self.registry.unregister(group.group_id)
         if result.parts_averaged == result.parts:
-            clock.learn(result.bytes_sent + result.bytes_received, result.seconds)
+            clock.learn(result.bytes_sent + result.bytes_received, result.seconds,
+                        result.rates)
         return result
 
 

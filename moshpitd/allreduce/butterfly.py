@@ -38,6 +38,7 @@ from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView
 from moshpitd.allreduce.owner import ReducerSide, SenderSlot
 from moshpitd.allreduce.plan import Ledger, RoundPlan
+from moshpitd.allreduce.rates import link_rates
 from moshpitd.allreduce.sender import Connector, HelloSealer, SenderSide
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.transport.dataplane import LEFT, Channel, flush_aborts
@@ -63,6 +64,7 @@ class RoundResult:
     excluded: int  # bitmask of members whose contributions were cut short
     owned: int = 0  # elements this peer reduced for the group
     excluded_parts: dict[str, int] = field(default_factory=dict)  # fault kind -> parts
+    rates: tuple[float, float] = (0.0, 0.0)  # bytes/s we sent and received at (rates.py)
 
 
 class ButterflyRound:
@@ -78,6 +80,7 @@ class ButterflyRound:
         self._seal_hello = seal_hello
         self._max_in_flight = max_in_flight
         self._accepted: list[Channel] = []
+        self.rates = (0.0, 0.0)
 
     @property
     def group(self) -> Group:
@@ -124,6 +127,7 @@ class ButterflyRound:
                     await flush_aborts([*sender.channels, *self._accepted], deadlines.grace)
             finally:
                 sent = received = 0
+                self.rates = link_rates([*sender.channels, *self._accepted])
                 for ch in [*sender.channels, *self._accepted]:
                     sent, received = sent + ch.bytes_out, received + ch.bytes_in
                     ch.close()  # nothing is received into staging buffers after this
@@ -166,4 +170,4 @@ class ButterflyRound:
         return RoundResult(plan.size, len(plan.parts), averaged, tuple(spans), sent, received,
                            seconds, self.reducer.excluded,
                            sum(p.numel for p in plan.my_parts),
-                           dict(self.reducer.excluded_parts))
+                           dict(self.reducer.excluded_parts), self.rates)

@@ -21,13 +21,34 @@ class DeadlinePolicy:
     alpha: float = 0.3
     min_learn_bytes: int = 1 << 20  # smaller rounds are mostly latency: they teach no rate
 
+    # what our own link sends and receives at, bytes/s, learnt from the same rounds by each
+    # connection's timing (allreduce/rates.py). Until a round measured them: the budget's
+    # starting rate, half each way, which every new daemon declares alike (equal spans);
+    # the first measurement replaces it, so spans follow the links from the next round on.
+    up: float = 50e6
+    down: float = 50e6
+    measured: bool = False
+
     def budget(self, wire_bytes: int) -> float:
         return max(self.floor, self.factor * wire_bytes / self.throughput)
 
-    def observe(self, wire_bytes: int, seconds: float) -> None:
+    def observe(self, wire_bytes: int, seconds: float,
+                rates: tuple[float, float] = (0.0, 0.0)) -> None:
         if seconds > 0 and wire_bytes > self.min_learn_bytes:
             rate = wire_bytes / seconds
             self.throughput = (1 - self.alpha) * self.throughput + self.alpha * rate
+            up, down = rates
+            if up > 0 and down > 0:
+                keep = (1 - self.alpha) if self.measured else 0.0
+                self.up = keep * self.up + (1 - keep) * up
+                self.down = keep * self.down + (1 - keep) * down
+                self.measured = True
+
+    @property
+    def link_mbit(self) -> float:
+        """The rate we declare to groups (the option bandwidth's unit): a member's share
+        costs it as many bytes each way (allreduce/spans.py), so the slower direction."""
+        return min(self.up, self.down) * 8 / 1e6
 
 
 @dataclass(frozen=True)

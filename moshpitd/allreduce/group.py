@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moshpitd.allreduce.spans import optimal_shares
 from moshpitd.proto import moshpit_pb2 as pb
 
 
@@ -44,14 +45,20 @@ class Group:
 
     @property
     def shares(self) -> list[float]:
-        """Span shares: client-mode peers accept no connections, and listeners are not waited
-        for (a joiner may be slow, or leave), so they own nothing; a listener owns a span only
-        when no weighted member can."""
-        able = [0.0 if m.client_mode or not math.isfinite(m.bandwidth)
-                else min(max(m.bandwidth, 1e-9), 1e12) for m in self.members]
+        """Span shares that make the round's expected time minimal at the members' declared
+        rates (allreduce/spans.py). Client-mode peers accept no connections, and listeners
+        are not waited for (a joiner may be slow, or leave), so they own nothing; a listener
+        owns a span only when no weighted member can."""
+        rates = [min(max(m.bandwidth, 1e-9), 1e12) if math.isfinite(m.bandwidth) else 1e-9
+                 for m in self.members]
+        able = [not m.client_mode and math.isfinite(m.bandwidth) for m in self.members]
         listeners = self.listeners
-        weighted = [0.0 if listeners >> i & 1 else s for i, s in enumerate(able)]
-        return weighted if any(weighted) else able
+        senders = [not listeners >> i & 1 for i in range(len(self.members))]
+        weighted = [a and s for a, s in zip(able, senders, strict=True)]
+        owners = weighted if any(weighted) else able
+        if not any(owners):
+            return [0.0] * len(self.members)  # span_bounds refuses it, as it always did
+        return optimal_shares(rates, rates, senders, owners)
 
     def to_proto(self) -> pb.GroupInfo:
         return pb.GroupInfo(

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -76,6 +77,8 @@ class Channel(asyncio.BufferedProtocol):
         self.aborted = False  # we sent ABORT: the transport closes once its bytes are out
         self.bytes_in = 0
         self.bytes_out = 0
+        # monotonic times of the first and last bytes each way (allreduce/rates.py)
+        self.first_in = self.last_in = self.first_out = self.last_out = 0.0
 
     # --- asyncio protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -95,6 +98,9 @@ class Channel(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
         self.bytes_in += nbytes
+        self.last_in = time.monotonic()
+        if not self.first_in:
+            self.first_in = self.last_in
         if self._filled < self._want:
             return
         try:
@@ -166,8 +172,11 @@ class Channel(asyncio.BufferedProtocol):
         length = sum(len(p) for p in payload)
         self.transport.writelines((HEADER.pack(kind, 0, 0, part, length, aux), *payload))
         self.bytes_out += HEADER.size + length
+        if not self.first_out:
+            self.first_out = time.monotonic()
         if not self._can_write.is_set():
             await self._can_write.wait()
+        self.last_out = time.monotonic()  # the socket took all but its low-water mark
 
     def progress(self) -> int:
         """Bytes that really moved: received, plus sent minus what still waits in our write

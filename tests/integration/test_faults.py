@@ -113,7 +113,8 @@ def weight(i: int) -> float:
 def faulty_swarm(factory: Callable[..., LocalSwarm], fault: str, marker: Path,
                  part: int = PART) -> LocalSwarm:
     env = {"MOSHPITD_FAULT": f"{fault}@1", "MOSHPITD_FAULT_MARKER": str(marker)}
-    return factory(PEERS, extra_args=["--part-size", str(part)], env_by_index={VICTIM: env})
+    return factory(PEERS, extra_args=["--part-size", str(part), "--bandwidth", "1"],
+                   env_by_index={VICTIM: env})  # equal spans, as the tests plan them
 
 
 def peer_ids(swarm: LocalSwarm) -> dict[str, int]:

@@ -63,7 +63,8 @@ def cclip_bound(e0: float, rho: float, tau: float, iterations: int = 10) -> floa
 
 @pytest.fixture(scope="module")
 def swarm8(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    swarm = LocalSwarm(PEERS, workdir=Path(tmp_path_factory.mktemp("robust"))).start()
+    swarm = LocalSwarm(PEERS, workdir=Path(tmp_path_factory.mktemp("robust")),
+                       extra_args=["--bandwidth", "1"]).start()  # equal spans: parts()
     try:
         yield swarm
     finally:

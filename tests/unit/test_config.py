@@ -48,7 +48,7 @@ def test_every_setting_has_flag_env_and_file_key(tmp_path: Path) -> None:
     ("part_siz = 8192\n", ["unknown key 'part_siz'"]),
     ("part_size = 100\n", ["part_size", "outside 4096"]),
     ("part_size = \"big\"\n", ["part_size", "invalid literal"]),
-    ("bandwidth = 0\n", ["bandwidth", "outside"]),
+    ("bandwidth = -1\n", ["bandwidth", "outside"]),
     ("client_mode = \"maybe\"\n", ["client_mode", "true or false"]),
     ("grpc_listen = \"nohost\"\n", ["grpc_listen", "HOST:PORT"]),
     ("dht_listen = \"h:70000\"\n", ["dht_listen", "out of range"]),

@@ -97,12 +97,12 @@ def test_listeners_own_a_span_only_when_no_weighted_member_can() -> None:
                            for i, (w, c) in enumerate(members)))
 
     g = group((1.0, False), (0.0, False), (2.0, False))
-    assert g.listeners == 0b010 and g.shares == [1.0, 0.0, 1.0]
+    assert g.listeners == 0b010 and g.shares == pytest.approx([0.5, 0.0, 0.5])
     # the only weighted member is in client mode: the listeners reduce, as before
     g = group((1.0, True), (0.0, False), (0.0, False))
-    assert g.listeners == 0b110 and g.shares == [0.0, 1.0, 1.0]
+    assert g.listeners == 0b110 and g.shares == pytest.approx([0.0, 0.5, 0.5])
     g = group((0.0, False), (0.0, False))  # no mean at all: the round is skipped
-    assert g.listeners == 0 and g.shares == [1.0, 1.0]
+    assert g.listeners == 0 and g.shares == pytest.approx([0.5, 0.5])
 
 
 def test_a_reducer_takes_nothing_from_a_listener_and_never_waits_for_it() -> None:

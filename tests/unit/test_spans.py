@@ -1,0 +1,131 @@
+"""The optimal-span rule (allreduce/spans.py) against brute force on small groups, and the
+rates it is fed (allreduce/rates.py)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from moshpitd.allreduce.deadlines import DeadlinePolicy
+from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.allreduce.rates import link_rates
+from moshpitd.allreduce.spans import optimal_shares, round_time
+
+GRID = 36  # brute force: every split of the vector in 1/GRID steps
+
+
+def brute_force(up: list[float], down: list[float], senders: list[bool], owners: list[bool],
+                cap: float) -> float:
+    """The least round time over every grid split that respects the cap."""
+    own = [i for i, o in enumerate(owners) if o]
+    limit = min(1.0, cap / len(own))
+    best = math.inf
+    for steps in itertools.product(range(GRID + 1), repeat=len(own) - 1):
+        last = GRID - sum(steps)
+        if last < 0:
+            continue
+        shares = [0.0] * len(up)
+        for i, k in zip(own, [*steps, last], strict=True):
+            shares[i] = k / GRID
+        if max(shares) <= limit + 1e-12:
+            best = min(best, round_time(shares, up, down, senders))
+    return best
+
+
+def cases() -> list[tuple[list[float], list[float], list[bool], list[bool]]]:
+    rng = random.Random(17)
+    out = []
+    for _ in range(20):
+        n = rng.randint(2, 4)
+        up = [rng.choice([1.0, 2.0, 10.0]) * rng.uniform(0.5, 1.5) for _ in range(n)]
+        down = [rng.choice([1.0, 2.0, 10.0]) * rng.uniform(0.5, 1.5) for _ in range(n)]
+        senders = [rng.random() > 0.2 for _ in range(n)]
+        senders[0] = True
+        owners = [s and rng.random() > 0.2 for s in senders]
+        owners[0] = True
+        out.append((up, down, senders, owners))
+    return out
+
+
+@pytest.mark.parametrize("cap", [2.0, 100.0])
+def test_no_split_is_faster_than_the_rule(cap: float) -> None:
+    for up, down, senders, owners in cases():
+        shares = optimal_shares(up, down, senders, owners, cap)
+        assert math.isclose(sum(shares), 1.0)
+        own = sum(owners)
+        assert all(s == 0 for s, o in zip(shares, owners, strict=True) if not o)
+        assert max(shares) <= min(1.0, cap / own) * (1 + 1e-9)
+        ours = round_time(shares, up, down, senders)
+        best = brute_force(up, down, senders, owners, cap)
+        assert ours <= best * (1 + 1e-9), (up, down, senders, owners, shares)
+        # and the grid comes within its step of the rule: the rule is not merely feasible
+        assert best <= ours * (1 + 4 * len(up) / GRID)
+
+
+def test_slow_members_own_less_and_equal_rates_share_equally() -> None:
+    everyone = [True] * 4
+    assert optimal_shares([1.0] * 4, [1.0] * 4, everyone, everyone) == pytest.approx([0.25] * 4)
+    fast, slow = 200.0, 20.0  # Mbit/s, the netns scenario of docs/architecture.md
+    shares = optimal_shares([fast, fast, slow, slow], [fast, fast, slow, slow], everyone,
+                            everyone)
+    assert shares[2] == shares[3] < 0.1 < shares[0] == pytest.approx(shares[1])
+    equal = round_time([0.25] * 4, [fast, fast, slow, slow], [fast, fast, slow, slow],
+                       everyone)
+    assert round_time(shares, [fast, fast, slow, slow], [fast, fast, slow, slow],
+                      everyone) < 0.7 * equal  # the slow ones still send and take B
+
+
+def test_a_declared_rate_only_raises_its_own_share_up_to_the_cap() -> None:
+    everyone = [True] * 4
+    previous = 0.0
+    for rate in [1e-9, 0.1, 1.0, 3.0, 10.0, 1e6, 1e12]:
+        rates = [rate, 1.0, 1.0, 1.0]
+        share = optimal_shares(rates, rates, everyone, everyone)[0]
+        assert previous <= share <= 0.5 * (1 + 1e-9)
+        previous = share
+    assert previous == pytest.approx(0.5)
+
+
+def test_group_shares_leave_listeners_and_client_mode_peers_out() -> None:
+    members = (GroupMember(b"a", "a", 1.0, bandwidth=3.0), GroupMember(b"b", "b", 1.0),
+               GroupMember(b"c", "c", 1.0, client_mode=True), GroupMember(b"d", "d", 0.0),
+               GroupMember(b"e", "e", 1.0, bandwidth=math.nan))
+    shares = Group(b"g" * 16, "k", 0, b"", members).shares
+    assert shares[2:] == [0.0, 0.0, 0.0]
+    assert shares[0] > shares[1] and math.isclose(sum(shares), 1.0)
+
+
+@dataclass
+class FakeChannel:
+    bytes_in: int
+    bytes_out: int
+    first_in: float = 0.0
+    last_in: float = 0.0
+    first_out: float = 0.0
+    last_out: float = 0.0
+
+
+def test_link_rates_add_concurrent_connections_and_skip_small_ones() -> None:
+    mib = 1 << 20
+    channels = [FakeChannel(4 * mib, 2 * mib, 1.0, 3.0, 1.0, 2.0),  # 2 MiB/s in, 2 out
+                FakeChannel(2 * mib, 8 * mib, 1.0, 2.0, 1.0, 5.0),  # 2 MiB/s in, 2 out
+                FakeChannel(1024, 1024, 1.0, 1.001, 1.0, 1.001)]  # latency: no rate
+    assert link_rates(channels) == (4 * mib, 4 * mib)
+    assert link_rates([]) == (0.0, 0.0)
+
+
+def test_the_first_measurement_replaces_the_prior_then_rates_are_averaged() -> None:
+    policy = DeadlinePolicy()
+    before = policy.link_mbit
+    policy.observe(8 << 20, 1.0, (0.0, 0.0))  # nothing timed: the prior stays
+    assert policy.link_mbit == before and not policy.measured
+    policy.observe(8 << 20, 1.0, (2.5e6, 5e6))
+    assert policy.link_mbit == pytest.approx(20.0)  # the slower way, in Mbit/s
+    policy.observe(8 << 20, 1.0, (5e6, 5e6))
+    assert 20.0 < policy.link_mbit < 40.0
+    policy.observe(1024, 1.0, (1e9, 1e9))  # a small round teaches nothing
+    assert policy.link_mbit < 40.0
