@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.swarm.systems import DAEMON_SYSTEMS
+
 
 def _snapshot_events(record: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Every snapshot and final model; for DDP, whose ranks hold the same model after every
@@ -290,6 +292,6 @@ def summarize(record: dict[str, Any], losses: dict[str, float], target: float | 
               for w in record["workers"] for e in w["events"] if e["event"] == "error"]
     row["errors"] = [m for replaced, m in errors if not replaced]
     row["errors_of_replaced_workers"] = sum(1 for replaced, _ in errors if replaced)
-    if record["system"] == "moshpit":
+    if record["system"] in DAEMON_SYSTEMS:
         row["final_models"] = models_agree(record)
     return row

@@ -1,0 +1,127 @@
+"""Moshpit DiLoCo: moshpit.Optimizer with an outer optimizer (docs/diloco.md), three rows.
+
+The orchestrator starts this host's moshpitd (spec.ipc_socket) before the worker, as for
+Moshpit SGD. Every row: the inner optimizer is the AdamW every system uses (same per-host
+batch, same budget); the outer one is SGD(lr 0.7, momentum 0.9, nesterov), the paper's.
+
+Knobs per row (spec.knobs overrides each):
+
+| system | H (`every`) | `codec` | `fragments` | `delay` |
+|---|---|---|---|---|
+| diloco-fp16 | 100 | fp16 | 1 | 0 |
+| diloco-int4 | 100 | int4, error feedback on (its default) | 1 | 0 |
+| diloco-stream | 100 | fp16 | 4 | 5 |
+
+- H = 100: a sync sends the pseudo-gradient twice over (two grid rounds of pairs, each a
+  member's half out and its own half's mean back), so per local step a host sends
+  2 x 2 bytes x P / 100 with fp16 against DDP's 2 (n - 1)/n x 4 bytes x P: 150x less at
+  n = 4 (H = 50 would be 75x).
+- `grid` = (M, 2) with M = ceil(sqrt(hosts)) and host i at cell (i mod M, i div M): Moshpit
+  SGD's rule, so a line-mate that is late is waited for; `timeout` = 30 s, `group_size` = 16,
+  `min_group_size` = 2: moshpit.Optimizer's defaults.
+- `publish_steps` = 10: besides after every outer step (moshpit's default), each host
+  publishes its state every 10 steps, so a host that comes back resumes at most about 10
+  steps behind the swarm's step count (the outer steps' schedule) instead of up to H.
+- A host that comes back downloads the global copy and the outer optimizer's state
+  (`load_state_from_peers`) before its first step, as docs/diloco.md says a joiner should.
+- After the budget: `opt.sync(min_group_size=final_group)` (an outer step of every host's
+  pseudo-gradient since its last sync; pairs if the hosts cannot all meet), then one plain
+  average of the parameters in the same group. DiLoCo's global copies drift apart when a
+  round was partial (a host gone, a grid line alone; fp16 return legs of the second grid
+  round), and the outer step does not pull them together; the average makes the hosts end on
+  one model, as Moshpit SGD's final sync does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import moshpit
+from bench.swarm.systems.moshpit_sgd import connect, final_sync, grid_for, round_fields
+from bench.swarm.worker import Events, LocalTrainer, WorkerSpec
+
+KEY = "swarm-diloco"
+ROWS: dict[str, dict[str, Any]] = {
+    "diloco-fp16": {"every": 100, "codec": "fp16", "fragments": 1, "delay": 0},
+    "diloco-int4": {"every": 100, "codec": "int4", "fragments": 1, "delay": 0},
+    "diloco-stream": {"every": 100, "codec": "fp16", "fragments": 4, "delay": 5},
+}
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+PUBLISH_STEPS = 10
+
+
+def knobs(spec: WorkerSpec) -> dict[str, Any]:
+    return {**ROWS[spec.system], **spec.knobs}
+
+
+def run(spec: WorkerSpec, events: Events) -> None:
+    assert spec.ipc_socket is not None  # WorkerSpec.validate
+    row = knobs(spec)
+    grid = tuple(row.get("grid", grid_for(spec.hosts)))
+    cell = (spec.host % grid[0], (spec.host // grid[0]) % grid[0])
+    trainer = LocalTrainer(spec, events)
+    client = connect(spec.ipc_socket)
+    outer = torch.optim.SGD(trainer.model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM,
+                            nesterov=True)
+    timeout = float(row.get("timeout", 30.0))
+    opt = moshpit.Optimizer(
+        trainer.optimizer, client=client, key=KEY, average_every=int(row["every"]),
+        grid=(grid[0], grid[1]), initial_coords=cell,
+        group_size=int(row.get("group_size", 16)),
+        min_group_size=int(row.get("min_group_size", 2)), timeout=timeout,
+        codec=str(row["codec"]), outer_optimizer=outer, fragments=int(row["fragments"]),
+        delay=int(row["delay"]), model=trainer.model)
+    if spec.rejoin:
+        try:
+            trainer.step = opt.load_state_from_peers(timeout=timeout)
+            events.emit("rejoined", step=trainer.step)
+        except moshpit.MoshpitError as exc:  # train on from the initial model
+            events.emit("rejoined", step=0, error=f"{type(exc).__name__}: {exc}"[:200])
+    publish_steps = int(row.get("publish_steps", PUBLISH_STEPS))
+    trainer.wait_for_start()
+    while trainer.time_left() > 0:
+        trainer.compute_loss()
+        done, failed = opt.rounds_done, opt.failed_rounds
+        t0 = time.perf_counter()
+        opt.step(batch_size=spec.batch)
+        seconds = time.perf_counter() - t0
+        trainer.advance()
+        if opt.rounds_done > done:
+            events.emit("sync", ok=True, seconds=seconds, **round_fields(opt))
+        elif opt.failed_rounds > failed:
+            events.emit("sync", ok=False, group_size=1, seconds=seconds,
+                        error=str(opt.last_error)[:200])
+        if publish_steps and opt.local_step % publish_steps == 0:
+            opt.publish_state()
+    final_sync(spec, opt, events)
+    average_parameters(spec, trainer, client, events, timeout)
+    trainer.snapshot("done")
+    opt.close()
+    client.close()
+
+
+def average_parameters(spec: WorkerSpec, trainer: LocalTrainer, client: moshpit.Client,
+                       events: Events, timeout: float) -> None:
+    """One plain average of the model with the hosts alive at the end (see the docstring)."""
+    params = [p for p in trainer.model.parameters()]
+    want = int(spec.knob("final_group", spec.hosts))
+    for group in dict.fromkeys((want, 2)):
+        t0 = time.perf_counter()
+        try:
+            out = client.average([p.detach() for p in params], key=f"{KEY}/final",
+                                 weight=1.0, group_size=group, min_group_size=group,
+                                 timeout=2 * timeout + 5.0)
+        except moshpit.MoshpitError as exc:
+            events.emit("sync", ok=False, final=True, group_size=1,
+                        seconds=time.perf_counter() - t0, error=str(exc)[:200])
+            continue
+        with torch.no_grad():
+            for p, avg in zip(params, out, strict=True):
+                p.copy_(avg)
+        info = client.last_round
+        events.emit("sync", ok=True, final=True, seconds=time.perf_counter() - t0,
+                    group_size=info.group_size if info else group)
+        return
