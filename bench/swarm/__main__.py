@@ -191,6 +191,7 @@ def summarize(records: list[dict[str, Any]], losses: dict[str, float],
                 source = "DDP on lan at 80 % of its budget"
     if target is not None:
         rows = {id(r): metrics.summarize(r, losses, target) for r in records}
+    metrics.against_ddp(records, rows)
     entropy = None
     try:
         from bench.swarm.workload import train_entropy

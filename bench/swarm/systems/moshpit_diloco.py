@@ -61,7 +61,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
     assert spec.ipc_socket is not None  # WorkerSpec.validate
     row = knobs(spec)
     grid = tuple(row.get("grid", grid_for(spec.hosts)))
-    cell = (spec.host % grid[0], (spec.host // grid[0]) % grid[0])
+    cell = tuple((spec.host // grid[0] ** k) % grid[0] for k in range(grid[1]))
     trainer = LocalTrainer(spec, events)
     client = connect(spec.ipc_socket)
     outer = torch.optim.SGD(trainer.model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM,
@@ -69,7 +69,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
     timeout = float(row.get("timeout", 30.0))
     opt = moshpit.Optimizer(
         trainer.optimizer, client=client, key=KEY, average_every=int(row["every"]),
-        grid=(grid[0], grid[1]), initial_coords=cell,
+        grid=(int(grid[0]), int(grid[1])), initial_coords=cell,
         group_size=int(row.get("group_size", 16)),
         min_group_size=int(row.get("min_group_size", 2)), timeout=timeout,
         codec=str(row["codec"]), outer_optimizer=outer, fragments=int(row["fragments"]),
