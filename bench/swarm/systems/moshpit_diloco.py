@@ -75,11 +75,13 @@ def run(spec: WorkerSpec, events: Events) -> None:
         codec=str(row["codec"]), outer_optimizer=outer, fragments=int(row["fragments"]),
         delay=int(row["delay"]), model=trainer.model)
     if spec.rejoin:
+        t0 = time.perf_counter()
         try:
             trainer.step = opt.load_state_from_peers(timeout=timeout)
-            events.emit("rejoined", step=trainer.step)
+            events.emit("rejoined", step=trainer.step, seconds=time.perf_counter() - t0)
         except moshpit.MoshpitError as exc:  # train on from the initial model
-            events.emit("rejoined", step=0, error=f"{type(exc).__name__}: {exc}"[:200])
+            events.emit("rejoined", step=0, seconds=time.perf_counter() - t0,
+                        error=f"{type(exc).__name__}: {exc}"[:200])
     publish_steps = int(row.get("publish_steps", PUBLISH_STEPS))
     trainer.wait_for_start()
     while trainer.time_left() > 0:
