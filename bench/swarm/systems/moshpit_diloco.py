@@ -123,7 +123,8 @@ def average_parameters(spec: WorkerSpec, trainer: LocalTrainer, client: moshpit.
         with torch.no_grad():
             for p, avg in zip(params, out, strict=True):
                 p.copy_(avg)
-        info = client.last_round
+        info = client.last_round  # `complete`: no span kept a member's own values
         events.emit("sync", ok=True, final=True, seconds=time.perf_counter() - t0,
-                    group_size=info.group_size if info else group)
+                    group_size=info.group_size if info else group,
+                    complete=bool(info and info.fully_averaged))
         return
