@@ -22,8 +22,14 @@ Knobs per row (spec.knobs overrides each):
 - `publish_steps` = 10: besides after every outer step (moshpit's default), each host
   publishes its state every 10 steps, so a host that comes back resumes at most about 10
   steps behind the swarm's step count (the outer steps' schedule) instead of up to H.
+- Before the clock starts, each host makes one round of a single float under each fragment's
+  grid key (`join_runs`): a grid run waits only for the line-mates it knows, and a daemon is
+  known from its first call, which DiLoCo makes H steps in. Without it, hosts whose step
+  counts drifted apart by a few seconds found nobody expecting them at the first sync.
 - A host that comes back downloads the global copy and the outer optimizer's state
   (`load_state_from_peers`) before its first step, as docs/diloco.md says a joiner should.
+- No state is published while a round is in flight: the client serves one call at a time,
+  so the publish, and training with it, would wait for the round.
 - After the budget: `opt.sync(min_group_size=final_group)` (an outer step of every host's
   pseudo-gradient since its last sync; pairs if the hosts cannot all meet), then one plain
   average of the parameters in the same group. DiLoCo's global copies drift apart when a
@@ -34,6 +40,7 @@ Knobs per row (spec.knobs overrides each):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -51,6 +58,7 @@ ROWS: dict[str, dict[str, Any]] = {
 }
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 PUBLISH_STEPS = 10
+JOIN_TIMEOUT_S = 10.0
 
 
 def knobs(spec: WorkerSpec) -> dict[str, Any]:
@@ -74,6 +82,8 @@ def run(spec: WorkerSpec, events: Events) -> None:
         min_group_size=int(row.get("min_group_size", 2)), timeout=timeout,
         codec=str(row["codec"]), outer_optimizer=outer, fragments=int(row["fragments"]),
         delay=int(row["delay"]), model=trainer.model)
+    loop = opt.diloco
+    assert loop is not None  # an outer optimizer was given
     if spec.rejoin:
         t0 = time.perf_counter()
         try:
@@ -82,6 +92,9 @@ def run(spec: WorkerSpec, events: Events) -> None:
         except moshpit.MoshpitError as exc:  # train on from the initial model
             events.emit("rejoined", step=0, seconds=time.perf_counter() - t0,
                         error=f"{type(exc).__name__}: {exc}"[:200])
+    else:  # (a host that comes back is in the runs already: its peer key is kept)
+        join_runs(client, [loop.key_of(p) for p in range(loop.config.fragments)],
+                  (int(grid[0]), int(grid[1])), cell)
     publish_steps = int(row.get("publish_steps", PUBLISH_STEPS))
     trainer.wait_for_start()
     while trainer.time_left() > 0:
@@ -96,13 +109,27 @@ def run(spec: WorkerSpec, events: Events) -> None:
         elif opt.failed_rounds > failed:
             events.emit("sync", ok=False, group_size=1, seconds=seconds,
                         error=str(opt.last_error)[:200])
-        if publish_steps and opt.local_step % publish_steps == 0:
+        # not while a round is in flight: the client serves one call at a time, and the
+        # publish would wait for the round (with `delay`, training would)
+        if publish_steps and opt.local_step % publish_steps == 0 and not loop.pending:
             opt.publish_state()
     final_sync(spec, opt, events)
     average_parameters(spec, trainer, client, events, timeout)
     trainer.snapshot("done")
     opt.close()
     client.close()
+
+
+def join_runs(client: moshpit.Client, keys: list[str], grid: tuple[int, int],
+              cell: tuple[int, ...]) -> None:
+    """One round of a single float under each grid key, before the clock starts. A grid run
+    waits for the line-mates it knows, and a daemon becomes known with its first call: DiLoCo
+    first calls H steps in, when hosts that drifted apart by a few seconds would each find
+    nobody expecting them and keep their own pseudo-gradient."""
+    for key in keys:
+        with contextlib.suppress(moshpit.MoshpitError):  # alone: registered all the same
+            client.average([torch.zeros(1)], key=key, grid=grid, rounds=1,
+                           initial_coords=cell, timeout=JOIN_TIMEOUT_S)
 
 
 def average_parameters(spec: WorkerSpec, trainer: LocalTrainer, client: moshpit.Client,
