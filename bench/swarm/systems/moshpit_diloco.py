@@ -8,17 +8,21 @@ Knobs per row (spec.knobs overrides each):
 
 | system | H (`every`) | `codec` | `fragments` | `delay` |
 |---|---|---|---|---|
-| diloco-fp16 | 100 | fp16 | 1 | 0 |
-| diloco-int4 | 100 | int4, error feedback on (its default) | 1 | 0 |
-| diloco-stream | 100 | fp16 | 4 | 5 |
+| diloco-fp16 | 64 | fp16 | 1 | 0 |
+| diloco-int4 | 64 | int4, error feedback on (its default) | 1 | 0 |
+| diloco-stream | 64 | fp16 | 4 | 5 |
 
-- H = 100: a sync sends the pseudo-gradient twice over (two grid rounds of pairs, each a
-  member's half out and its own half's mean back), so per local step a host sends
-  2 x 2 bytes x P / 100 with fp16 against DDP's 2 (n - 1)/n x 4 bytes x P: 150x less at
-  n = 4 (H = 50 would be 75x).
-- `grid` = (M, 2) with M = ceil(sqrt(hosts)) and host i at cell (i mod M, i div M): Moshpit
-  SGD's rule, so a line-mate that is late is waited for; `timeout` = 30 s, `group_size` = 16,
-  `min_group_size` = 2: moshpit.Optimizer's defaults.
+- `grid` = (hosts, 1): one grid line holding every host, so a sync is one round of the whole
+  swarm, and a grid run waits for the line-mates it knows (up to the round's deadline) where
+  a plain key assembles without a peer that comes more than half a second after the rest.
+  A group of n sends 2 (n - 1)/n of the vector per member and sync (its share out, its own
+  share's mean back): per local step a host sends 1.5 x 2 bytes x P / 64 with fp16 at n = 4
+  against DDP's 1.5 x 4 bytes x P, 128x less (int4: 455x).
+- H = 64 also keeps the calls under one key less than a minute apart on this machine (0.3 to
+  0.7 s a step): a grid run forgets a daemon whose entry was not renewed for 60 s (moshpitd's
+  ENTRY_TTL), and with H = 100 the line-mates had stopped expecting each other by the next
+  sync, so each found its line empty and kept its own pseudo-gradient.
+- `timeout` = 30 s, `min_group_size` = 2: moshpit.Optimizer's defaults.
 - `publish_steps` = 10: besides after every outer step (moshpit's default), each host
   publishes its state every 10 steps, so a host that comes back resumes at most about 10
   steps behind the swarm's step count (the outer steps' schedule) instead of up to H.
@@ -33,9 +37,9 @@ Knobs per row (spec.knobs overrides each):
 - After the budget: `opt.sync(min_group_size=final_group)` (an outer step of every host's
   pseudo-gradient since its last sync; pairs if the hosts cannot all meet), then one plain
   average of the parameters in the same group. DiLoCo's global copies drift apart when a
-  round was partial (a host gone, a grid line alone; fp16 return legs of the second grid
-  round), and the outer step does not pull them together; the average makes the hosts end on
-  one model, as Moshpit SGD's final sync does.
+  round was partial (a host gone, a part that timed out), and the outer step does not pull
+  them together; the average makes the hosts end on one model, as Moshpit SGD's final sync
+  does.
 """
 
 from __future__ import annotations
@@ -47,14 +51,14 @@ from typing import Any
 import torch
 
 import moshpit
-from bench.swarm.systems.moshpit_sgd import connect, final_sync, grid_for, round_fields
+from bench.swarm.systems.moshpit_sgd import connect, final_sync, round_fields
 from bench.swarm.worker import Events, LocalTrainer, WorkerSpec
 
 KEY = "swarm-diloco"
 ROWS: dict[str, dict[str, Any]] = {
-    "diloco-fp16": {"every": 100, "codec": "fp16", "fragments": 1, "delay": 0},
-    "diloco-int4": {"every": 100, "codec": "int4", "fragments": 1, "delay": 0},
-    "diloco-stream": {"every": 100, "codec": "fp16", "fragments": 4, "delay": 5},
+    "diloco-fp16": {"every": 64, "codec": "fp16", "fragments": 1, "delay": 0},
+    "diloco-int4": {"every": 64, "codec": "int4", "fragments": 1, "delay": 0},
+    "diloco-stream": {"every": 64, "codec": "fp16", "fragments": 4, "delay": 5},
 }
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 PUBLISH_STEPS = 10
@@ -68,7 +72,7 @@ def knobs(spec: WorkerSpec) -> dict[str, Any]:
 def run(spec: WorkerSpec, events: Events) -> None:
     assert spec.ipc_socket is not None  # WorkerSpec.validate
     row = knobs(spec)
-    grid = tuple(row.get("grid", grid_for(spec.hosts)))
+    grid = tuple(row.get("grid", (spec.hosts, 1)))
     cell = tuple((spec.host // grid[0] ** k) % grid[0] for k in range(grid[1]))
     trainer = LocalTrainer(spec, events)
     client = connect(spec.ipc_socket)
@@ -78,7 +82,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
     opt = moshpit.Optimizer(
         trainer.optimizer, client=client, key=KEY, average_every=int(row["every"]),
         grid=(int(grid[0]), int(grid[1])), initial_coords=cell,
-        group_size=int(row.get("group_size", 16)),
+        group_size=int(row.get("group_size", spec.hosts)),
         min_group_size=int(row.get("min_group_size", 2)), timeout=timeout,
         codec=str(row["codec"]), outer_optimizer=outer, fragments=int(row["fragments"]),
         delay=int(row["delay"]), model=trainer.model)
