@@ -20,8 +20,8 @@ Knobs per row (spec.knobs overrides each):
   against DDP's 1.5 x 4 bytes x P, 128x less (int4: 455x).
 - H = 64 also keeps the calls under one key less than a minute apart on this machine (0.3 to
   0.7 s a step): a grid run forgets a daemon whose entry was not renewed for 60 s (moshpitd's
-  ENTRY_TTL), and with H = 100 the line-mates had stopped expecting each other by the next
-  sync, so each found its line empty and kept its own pseudo-gradient.
+  ENTRY_TTL); in a trial with H = 100 the hosts no longer expected each other at the first
+  sync, and averaged in pairs or kept their own pseudo-gradients.
 - `timeout` = 30 s, `min_group_size` = 2: moshpit.Optimizer's defaults.
 - `publish_steps` = 10: besides after every outer step (moshpit's default), each host
   publishes its state every 10 steps, so a host that comes back resumes at most about 10
