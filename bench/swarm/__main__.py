@@ -26,6 +26,7 @@ from typing import Any
 from bench.swarm import metrics, report
 from bench.swarm.orchestrator import PEERS_PYTHON, SYSTEMS, RunConfig, SystemRun
 from bench.swarm.scenario import DEFAULT_SCENARIOS, Scenario, ScenarioError, load
+from bench.swarm.systems import SMOKE_SYSTEMS
 from netlab import Topology, missing_prerequisites
 
 
@@ -40,8 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hosts", type=int, help="hosts (default: the scenario's, 4)")
     p.add_argument("--budget", type=float, help="seconds of training per system (default: "
                    "the scenario's; --smoke: 25)")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all)")
+    p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: "
+                   f"all; --smoke: {', '.join(SMOKE_SYSTEMS)})")
     p.add_argument("--target", type=float, help=f"target loss (default: {report.TARGET_RULE})")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--out", type=Path, help="output directory (default: a new one in /tmp)")
@@ -74,7 +75,8 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    chosen = args.systems or ",".join(SMOKE_SYSTEMS if args.smoke else SYSTEMS)
+    systems = [s.strip() for s in chosen.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         print(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
@@ -189,6 +191,7 @@ def summarize(records: list[dict[str, Any]], losses: dict[str, float],
                 source = "DDP on lan at 80 % of its budget"
     if target is not None:
         rows = {id(r): metrics.summarize(r, losses, target) for r in records}
+    metrics.against_ddp(records, rows)
     entropy = None
     try:
         from bench.swarm.workload import train_entropy

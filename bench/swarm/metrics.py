@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.swarm.systems import DAEMON_SYSTEMS
+
 
 def _snapshot_events(record: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Every snapshot and final model; for DDP, whose ranks hold the same model after every
@@ -290,6 +292,27 @@ def summarize(record: dict[str, Any], losses: dict[str, float], target: float | 
               for w in record["workers"] for e in w["events"] if e["event"] == "error"]
     row["errors"] = [m for replaced, m in errors if not replaced]
     row["errors_of_replaced_workers"] = sum(1 for replaced, _ in errors if replaced)
-    if record["system"] == "moshpit":
+    if record["system"] in DAEMON_SYSTEMS:
         row["final_models"] = models_agree(record)
     return row
+
+
+def against_ddp(records: list[dict[str, Any]], rows: dict[int, dict[str, Any]]) -> None:
+    """Adds to each row (keyed by id of its record) its bytes sent per sample processed and,
+    where DDP ran on the same scenario, when and after how many bytes per host its curve
+    first reached the loss DDP ended at: the yardstick on scenarios where no system reaches
+    the target within the budget."""
+    ddp = {r["scenario"]: rows[id(r)] for r in records if r["system"] == "ddp"}
+    for record in records:
+        row = rows[id(record)]
+        hosts = record["config"]["hosts"]
+        row["bytes_per_sample"] = (row["bytes_total"] * hosts / row["samples_processed"]
+                                   if row["samples_processed"] else math.nan)
+        base = ddp.get(record["scenario"])
+        if base is None or not math.isfinite(base["loss_end"]):
+            continue
+        reached = crossing(row["curve"], base["loss_end"])
+        row["ddp_end_loss"] = base["loss_end"]
+        row["time_to_ddp_end"] = reached
+        row["bytes_to_ddp_end"] = (None if reached is None
+                                   else bytes_per_host(record, record["start_at"] + reached))

@@ -23,9 +23,10 @@ from typing import Any
 
 from bench.swarm.hostproc import REPO, WorkerProcess
 from bench.swarm.scenario import Scenario
+from bench.swarm.systems import DAEMON_SYSTEMS, MODULES
 from netlab import Host, Topology
 
-SYSTEMS = ("ddp", "moshpit", "hivemind-sync", "hivemind-local")
+SYSTEMS = tuple(MODULES)
 PORT_BASE = 7710  # the worker's ports: PORT_BASE..PORT_BASE+9 (the daemon has 7700..7702)
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 DONE_EXIT_S = 3.0  # a worker still running this long after `done` is stopped
@@ -135,7 +136,7 @@ class SystemRun:
             "start_file": str(self.start_file) if start_at is None else None,
             "out_dir": str(self.dir / f"h{host}-g{gen}"), "shared_dir": str(self.shared),
             "snapshot_every_s": cfg.snapshot_every_s, "rejoin": rejoin, "knobs": {}}
-        if self.system == "moshpit":
+        if self.system in DAEMON_SYSTEMS:
             spec["ipc_socket"] = self.daemons[host]
             # the final sync gathers the hosts alive at the end (the schedule says how many)
             gone = {e.host_index(cfg.hosts) for e in self.scenario.events
@@ -213,7 +214,7 @@ class SystemRun:
             if self.system == "ddp":
                 self._ddp_restart(f"host {host} back")
             else:
-                if self.system == "moshpit":
+                if self.system in DAEMON_SYSTEMS:
                     self._start_daemon(host)
                 self._launch(host, time.time(), rejoin=True)
         self.actions.append({"t": t0, "kind": kind, "host": host, "factor": factor,
@@ -241,7 +242,7 @@ class SystemRun:
             self.topo.set_rate(host, host.link.rate_mbit)
         sampler = Sampler(self.topo, cfg.sample_every_s)
         try:
-            if self.system == "moshpit":
+            if self.system in DAEMON_SYSTEMS:
                 for i in range(cfg.hosts):
                     self._start_daemon(i)
             self.ddp_world = list(range(cfg.hosts))

@@ -61,6 +61,24 @@ def time_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ddp_table(rows: list[dict[str, Any]]) -> str:
+    """Against DDP on the same scenario: the time and bytes to DDP's final loss, and bytes
+    per sample (DDP's over each row's: how many times fewer bytes a sample cost)."""
+    base = next((r for r in rows if r["system"] == "ddp"), None)
+    head = ("| system | time to DDP's final loss | bytes/host to it | bytes per sample "
+            "| DDP's bytes per sample / this row's |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for row in rows:
+        reached = row.get("time_to_ddp_end")
+        ratio = (base["bytes_per_sample"] / row["bytes_per_sample"]
+                 if base and row["bytes_per_sample"] else math.nan)
+        lines.append(
+            f"| {row['system']} | {'-' if reached is None else f'{reached:.0f} s'} "
+            f"| {_fmt_bytes(row.get('bytes_to_ddp_end'))} "
+            f"| {_fmt(row['bytes_per_sample'] / 1e3, '.1f')} kB | {_fmt(ratio, '.0f')}x |")
+    return "\n".join(lines)
+
+
 def plot(scenario: str, rows: list[dict[str, Any]], target: float | None, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -113,6 +131,10 @@ def write(out: Path, results: dict[str, Any]) -> str:
         parts.append(table(scen["rows"], target))
         parts.append("\nWhere the time went:\n")
         parts.append(time_table(scen["rows"]))
+        ddp_end = next((r["ddp_end_loss"] for r in scen["rows"] if "ddp_end_loss" in r), None)
+        if ddp_end is not None:
+            parts.append(f"\nAgainst DDP on this scenario (its final loss: {ddp_end:.3f}):\n")
+            parts.append(ddp_table(scen["rows"]))
         for row in scen["rows"]:
             agree = row.get("final_models")
             if agree:

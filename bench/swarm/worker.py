@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from bench.swarm.systems import DAEMON_SYSTEMS, MODULES
 from bench.swarm.workload import (
     Batches,
     Hyper,
@@ -50,9 +51,6 @@ from bench.swarm.workload import (
     model_config,
 )
 
-SYSTEMS = {"ddp": "bench.swarm.systems.ddp", "moshpit": "bench.swarm.systems.moshpit_sgd",
-           "hivemind-sync": "bench.swarm.systems.hivemind_opt",
-           "hivemind-local": "bench.swarm.systems.hivemind_opt"}
 PROGRESS_EVERY_S = 1.0
 START_WAIT_S = 900.0  # an orchestrator that never writes the start file has gone away
 
@@ -134,8 +132,8 @@ class WorkerSpec:
         return spec
 
     def validate(self) -> None:
-        if self.system not in SYSTEMS:
-            raise SpecError(f"system {self.system!r} is not one of {', '.join(SYSTEMS)}")
+        if self.system not in MODULES:
+            raise SpecError(f"system {self.system!r} is not one of {', '.join(MODULES)}")
         if not 0 <= self.host < self.hosts or len(self.host_ips) != self.hosts:
             raise SpecError(f"host {self.host} of {self.hosts} with {len(self.host_ips)} IPs")
         if min(self.batch, self.seq_len) < 1 or self.budget_s <= 0 or self.lr <= 0:
@@ -147,8 +145,8 @@ class WorkerSpec:
             raise SpecError(str(exc)) from None
         if self.start_at is None and self.start_file is None:
             raise SpecError("the spec needs start_at or start_file")
-        if self.system == "moshpit" and not self.ipc_socket:
-            raise SpecError("the moshpit system needs ipc_socket (the host's moshpitd)")
+        if self.system in DAEMON_SYSTEMS and not self.ipc_socket:
+            raise SpecError(f"the {self.system} system needs ipc_socket (the host's moshpitd)")
         if self.system == "ddp" and (self.ddp is None or self.host not in self.ddp.world):
             raise SpecError(f"the ddp system needs ddp.world holding host {self.host}")
 
@@ -267,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.spec)
         torch.set_num_threads(1)
-        system = importlib.import_module(SYSTEMS[spec.system])
+        system = importlib.import_module(MODULES[spec.system])
         system.run(spec, events)
     except Exception as exc:
         traceback.print_exc()

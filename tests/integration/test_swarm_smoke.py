@@ -1,5 +1,6 @@
-"""The results benchmark end to end, small: `python -m bench.swarm --smoke` runs every system
-(DDP, moshpit, hivemind in both modes) on 4 emulated hosts (network namespaces, CPU cgroups)
+"""The results benchmark end to end, small: `python -m bench.swarm --smoke` runs one system
+of each kind (DDP, Moshpit SGD, hivemind in both modes; the DiLoCo rows have their worker test,
+test_swarm_diloco_worker.py) on 4 emulated hosts (network namespaces, CPU cgroups)
 with the tiny model for ~20 s each, then evaluates the snapshots and writes the table and plot.
 
 Asserts what a broken benchmark would not produce: at least one completed sync per system, a
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.swarm.orchestrator import PEERS_PYTHON, SYSTEMS
+from bench.swarm.orchestrator import PEERS_PYTHON
+from bench.swarm.systems import SMOKE_SYSTEMS
 from netlab import missing_prerequisites
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +41,7 @@ def test_smoke_runs_every_system(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {row["system"]: row for row in results["scenarios"]["lan"]["rows"]}
-    assert set(rows) == set(SYSTEMS), proc.stderr[-6000:]
+    assert set(rows) == set(SMOKE_SYSTEMS), proc.stderr[-6000:]
     start = None
     for system, row in rows.items():
         assert row["syncs_ok"] >= 1, (system, row, proc.stderr[-4000:])
@@ -51,7 +53,7 @@ def test_smoke_runs_every_system(tmp_path: Path) -> None:
     assert rows["moshpit"]["final_models"]["agree"], rows["moshpit"]["final_models"]
     assert results["target_source"].startswith("DDP on lan")
     table = (out / "results.md").read_text()
-    for system in SYSTEMS:
+    for system in SMOKE_SYSTEMS:
         assert f"| {system} |" in table
     png = (out / "lan.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000

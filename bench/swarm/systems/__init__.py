@@ -1,1 +1,19 @@
-"""The systems the results benchmark compares, one module each with `run(spec, events)`."""
+"""The systems the results benchmark compares, one module each with `run(spec, events)`.
+
+Names only here (no imports): the orchestrator, which never imports torch, and the worker
+both read them."""
+
+MODULES = {
+    "ddp": "bench.swarm.systems.ddp",
+    "moshpit": "bench.swarm.systems.moshpit_sgd",
+    "diloco-fp16": "bench.swarm.systems.moshpit_diloco",
+    "diloco-int4": "bench.swarm.systems.moshpit_diloco",
+    "diloco-stream": "bench.swarm.systems.moshpit_diloco",
+    "hivemind-sync": "bench.swarm.systems.hivemind_opt",
+    "hivemind-local": "bench.swarm.systems.hivemind_opt",
+}
+# Systems whose hosts each run a moshpitd (the orchestrator starts it before the worker).
+DAEMON_SYSTEMS = frozenset({"moshpit", "diloco-fp16", "diloco-int4", "diloco-stream"})
+# What --smoke runs unless --systems says otherwise: one row per kind of system (the DiLoCo
+# rows share Moshpit SGD's daemon path and are checked on their own by a worker-level test).
+SMOKE_SYSTEMS = ("ddp", "moshpit", "hivemind-sync", "hivemind-local")

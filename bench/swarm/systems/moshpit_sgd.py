@@ -52,7 +52,8 @@ def round_fields(opt: moshpit.Optimizer) -> dict[str, Any]:
     info = opt.last_round
     if info is None:
         return {}
-    return {"group_size": info.group_size, "round_seconds": info.seconds,
+    return {"group_size": info.group_size, "group_sizes": list(info.group_sizes),
+            "round_seconds": info.seconds,
             "matchmaking_seconds": info.matchmaking_seconds, "bytes_sent": info.bytes_sent}
 
 
