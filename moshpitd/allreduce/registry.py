@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from moshpitd.allreduce.butterfly import ButterflyRound
 from moshpitd.transport.dataplane import (
@@ -57,6 +58,7 @@ class _Hello:
         self.registry = registry
         self.channel: Channel | None = None
         self.greeted = False
+        self.waiting: _Waiting | None = None  # while it waits for its group
         registry.unopened[self] = None
         self._timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._too_slow)
 
@@ -95,13 +97,26 @@ class _Hello:
         except HandshakeError as exc:
             self.registry.refused[REFUSED_HANDSHAKE] += 1
             raise DataPlaneError(f"refused handshake: {exc}") from None
-        self.channel.transport.pause_reading()
-        task = asyncio.ensure_future(self.registry.route(self.channel, hello, aux, part))
-        self.registry.tasks.add(task)
-        task.add_done_callback(self.registry.tasks.discard)
+        self.channel.transport.pause_reading()  # until it is attached to its round
+        self.registry.route(self.channel, hello, aux, part, self)
 
     def on_close(self, exc: BaseException | None) -> None:
         self._opened()
+        if self.waiting is not None:  # gone while it waited: its room is free again
+            self.registry.forget(self.waiting)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A stream that waits for a group we do not hold yet."""
+
+    channel: Channel
+    hello: Hello
+    sender: int
+    receiver: int
+    since: float
+    sink: _Hello | None = None
+    timer: asyncio.TimerHandle | None = None
 
 
 class _Refused(Channel):
@@ -121,14 +136,12 @@ class RoundRegistry:
         self.rejected = 0  # HELLOs without a valid swarm-key tag
         self.refused: Counter[str] = Counter()  # streams refused, by reason
         self._rounds: dict[bytes, ButterflyRound] = {}  # groups we hold: admitted first
-        self._waiting: dict[bytes, asyncio.Future[ButterflyRound]] = {}  # strangers' groups
-        self._waiters: Counter[bytes] = Counter()  # streams waiting, per stranger group
+        self._waiting: dict[bytes, list[_Waiting]] = {}  # streams of groups we do not hold
         self.strangers = 0  # streams waiting for a group we do not hold
         # rounds that ended here: a late stream for one is refused at once, so its sender
         # stops waiting for us instead of waiting stream_wait (insertion-ordered, bounded)
         self._finished: dict[bytes, None] = {}
         self.server: asyncio.Server | None = None
-        self.tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int) -> int:
         def accept() -> Channel:
@@ -147,8 +160,9 @@ class RoundRegistry:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-        for task in list(self.tasks):
-            task.cancel()
+        for entries in list(self._waiting.values()):
+            for entry in list(entries):
+                self.forget(entry)
 
     async def connect(self, endpoint: str, sink: FrameSink) -> Channel:
         host, port = split_endpoint(endpoint)
@@ -156,12 +170,13 @@ class RoundRegistry:
 
     def register(self, rnd: ButterflyRound) -> None:
         """A round of ours: its streams are admitted from now on, and those already waiting
-        for it go to it."""
+        for it go to it now, in the order they came."""
         gid = rnd.group.group_id
         self._rounds[gid] = rnd
-        fut = self._waiting.pop(gid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(rnd)
+        for entry in self._waiting.pop(gid, []):
+            self._unwait(entry)
+            self._admit(rnd, entry.channel, entry.hello, entry.sender, entry.receiver,
+                        entry.since)
 
     def unregister(self, group_id: bytes) -> None:
         self._rounds.pop(group_id, None)
@@ -169,71 +184,81 @@ class RoundRegistry:
         while len(self._finished) > MAX_FINISHED:
             del self._finished[next(iter(self._finished))]
 
-    async def _round_for(self, group_id: bytes) -> ButterflyRound:
-        """Our round of `group_id`, waiting for it (as a stranger) if we do not hold it yet."""
-        rnd = self._rounds.get(group_id)
+    def route(self, channel: Channel, hello: Hello, sender: int, receiver: int,
+              sink: _Hello | None = None) -> None:
+        """A stream whose HELLO checked out in form: to its round, or to wait for it."""
+        now = time.monotonic()
+        gid = hello.group_id
+        rnd = self._rounds.get(gid)
         if rnd is not None:
-            return rnd
-        if group_id in self._finished:
-            raise DataPlaneError(f"group {group_id.hex()[:8]}'s round is over here")
-        if self.strangers >= self.max_strangers:
-            raise _Busy(f"{self.strangers} streams already wait for groups unknown here")
-        fut = self._waiting.get(group_id)
-        if fut is None:
-            fut = self._waiting[group_id] = asyncio.get_running_loop().create_future()
-        self.strangers += 1
-        self._waiters[group_id] += 1
-        try:
-            async with asyncio.timeout(self.stream_wait):
-                return await asyncio.shield(fut)
-        except TimeoutError:
-            raise DataPlaneError(f"no group {group_id.hex()[:8]} here after "
-                                 f"{self.stream_wait:.0f} s") from None
-        finally:
-            self.strangers -= 1
-            self._waiters[group_id] -= 1
-            if self._waiters[group_id] <= 0:
-                del self._waiters[group_id]
-                if not fut.done() and self._waiting.get(group_id) is fut:
-                    del self._waiting[group_id]
+            self._admit(rnd, channel, hello, sender, receiver, now)
+        elif gid in self._finished:
+            self._refuse(channel, REFUSED_GROUP, sender, now,
+                         f"group {gid.hex()[:8]}'s round is over here")
+        elif self.strangers >= self.max_strangers:
+            self._refuse(channel, REFUSED_BUSY, sender, now,
+                         f"busy: {self.strangers} streams already wait for groups unknown "
+                         "here; open the stream again")
+        else:
+            entry = _Waiting(channel, hello, sender, receiver, now, sink)
+            entry.timer = asyncio.get_running_loop().call_later(self.stream_wait,
+                                                                 self._expire, entry)
+            self._waiting.setdefault(gid, []).append(entry)
+            self.strangers += 1
+            if sink is not None:
+                sink.waiting = entry
 
-    async def route(self, channel: Channel, hello: Hello, sender: int, receiver: int) -> None:
-        started = time.monotonic()
+    def forget(self, entry: _Waiting) -> None:
+        """A waiting stream closed: it waits no more."""
+        waiting = self._waiting.get(entry.hello.group_id)
+        if waiting is not None and entry in waiting:
+            waiting.remove(entry)
+            if not waiting:
+                del self._waiting[entry.hello.group_id]
+            self._unwait(entry)
+
+    def _expire(self, entry: _Waiting) -> None:
+        self.forget(entry)
+        self._refuse(entry.channel, REFUSED_GROUP, entry.sender, entry.since,
+                     f"no group {entry.hello.group_id.hex()[:8]} here after "
+                     f"{self.stream_wait:.0f} s")
+
+    def _unwait(self, entry: _Waiting) -> None:
+        self.strangers -= 1
+        if entry.timer is not None:
+            entry.timer.cancel()
+        if entry.sink is not None:
+            entry.sink.waiting = None
+
+    def _admit(self, rnd: ButterflyRound, channel: Channel, hello: Hello, sender: int,
+               receiver: int, since: float) -> None:
+        """Attach a stream to our round if its handshake proves it is member `sender`'s."""
         try:
-            rnd = await self._round_for(hello.group_id)
             if receiver != rnd.me:
                 raise DataPlaneError(f"stream meant for member {receiver}, this is {rnd.me}")
             rnd.reducer.check_sender(sender)
-            try:
-                ready, cipher = self.handshake.accept(hello, rnd.group, sender, rnd.me)
-            except HandshakeError as exc:
-                raise _NotThem(str(exc)) from None
-            channel.sink = rnd.accept(sender, channel)
-            channel.send_nowait(READY, rnd.me, ready)  # the last frame in the clear
-            channel.cipher = cipher
-        except _Busy as exc:
-            self.refused[REFUSED_BUSY] += 1
-            log.debug("refusing stream from member %d: %s", sender, exc)
-            channel.abort(f"busy: {exc}; open the stream again", code=BUSY)
-            return
-        except _NotThem as exc:  # counted, not logged above DEBUG: any key holder can send it
-            self.refused[REFUSED_IDENTITY] += 1
-            log.debug("refusing stream as member %d: %s", sender, exc)
-            channel.abort(f"refused: {exc}")
-            return
         except DataPlaneError as exc:
-            self.refused[REFUSED_GROUP] += 1
-            log.info("refusing stream from member %d: %s (waited %.2fs)", sender, exc,
-                     time.monotonic() - started)
-            channel.abort(str(exc))
+            self._refuse(channel, REFUSED_GROUP, sender, since, str(exc))
             return
+        try:
+            ready, cipher = self.handshake.accept(hello, rnd.group, sender, rnd.me)
+        except HandshakeError as exc:
+            self._refuse(channel, REFUSED_IDENTITY, sender, since, f"refused: {exc}")
+            return
+        channel.sink = rnd.accept(sender, channel)
+        channel.send_nowait(READY, rnd.me, ready)  # the last frame in the clear
+        channel.cipher = cipher
         if channel.transport is not None and not channel.transport.is_closing():
             channel.transport.resume_reading()
 
+    def _refuse(self, channel: Channel, reason: str, sender: int, since: float,
+                why: str) -> None:
+        self.refused[reason] += 1
+        if reason == REFUSED_GROUP:
+            log.info("refusing stream from member %d: %s (waited %.2fs)", sender, why,
+                     time.monotonic() - since)
+        else:  # counted, not logged above DEBUG: any key holder can send these
+            log.debug("refusing stream as member %d: %s", sender, why)
+        channel.abort(why, code=BUSY if reason == REFUSED_BUSY else 0)
 
-class _Busy(DataPlaneError):
-    """No room to wait for a group we do not hold."""
 
-
-class _NotThem(DataPlaneError):
-    """The handshake does not prove the stream is the member it names."""

@@ -56,13 +56,14 @@ class FakeRound:
         return "sink"
 
 
-async def stream(registry: RoundRegistry, g: Group, sender: int = 0,
-                 key: PeerKey | None = None) -> FakeChannel:
+def stream(registry: RoundRegistry, g: Group, sender: int = 0, key: PeerKey | None = None,
+           wire: bytes | None = None) -> FakeChannel:
     """A stream from member `sender` (its HELLO signed by `key`, its own by default)."""
-    wire, _ = Handshake(key or KEYS[sender]).hello(g, sender, 1)
+    if wire is None:
+        wire, _ = Handshake(key or KEYS[sender]).hello(g, sender, 1)
     channel = FakeChannel()
     hello = registry.handshake.open_hello(wire, sender, 1)
-    await registry.route(channel, hello, sender, 1)  # type: ignore[arg-type]
+    registry.route(channel, hello, sender, 1)  # type: ignore[arg-type]
     return channel
 
 
@@ -72,12 +73,12 @@ def test_a_stream_for_an_ended_round_is_refused_at_once() -> None:
         g = group(b"g" * 16)
         rnd = FakeRound(g)
         registry.register(rnd)  # type: ignore[arg-type]
-        live = await stream(registry, g)
+        live = stream(registry, g)
         assert rnd.accepted == [0] and live.aborted is None and live.sink == "sink"
         assert live.sent == [(READY, 1)]  # the sender may stream now
         registry.unregister(g.group_id)
         started = time.monotonic()
-        late = await stream(registry, g, 2)
+        late = stream(registry, g, 2)
         assert late.sent == []
         return late.aborted, time.monotonic() - started
 
@@ -99,47 +100,51 @@ def test_strangers_share_a_bounded_table_and_never_hold_back_a_group_we_hold() -
     group we hold is admitted all the same, and one of a group that becomes ours while it
     waits goes to its round."""
     async def scenario() -> None:
-        registry = RoundRegistry(1 << 20, Handshake(KEYS[1]), stream_wait=5.0, max_strangers=2)
+        registry = RoundRegistry(1 << 20, Handshake(KEYS[1]), stream_wait=0.05,
+                                 max_strangers=2)
         early, ours = group(b"e" * 16), group(b"o" * 16)
-        waiting = [asyncio.create_task(stream(registry, early)),
-                   asyncio.create_task(stream(registry, group(b"x" * 16)))]
-        while registry.strangers < 2:
-            await asyncio.sleep(0)
-        busy = await stream(registry, group(b"y" * 16))
+        waiting = [stream(registry, early), stream(registry, group(b"x" * 16))]
+        assert registry.strangers == 2 and all(w.aborted is None for w in waiting)
+        busy = stream(registry, group(b"y" * 16))
         assert busy.code == BUSY and busy.aborted is not None and "again" in busy.aborted
         held = FakeRound(ours)
         registry.register(held)  # type: ignore[arg-type]
-        admitted = await stream(registry, ours)
+        admitted = stream(registry, ours)
         assert admitted.aborted is None and held.accepted == [0]
         late = FakeRound(early)
         registry.register(late)  # type: ignore[arg-type]
-        first = await waiting[0]
-        assert first.aborted is None and late.accepted == [0] and registry.strangers == 1
-        waiting[1].cancel()
-        assert registry.refused == {"busy": 1}
+        assert waiting[0].sink == "sink" and late.accepted == [0] and registry.strangers == 1
+        await asyncio.sleep(0.06)  # the other one's group never comes
+        assert waiting[1].aborted is not None and "no group" in waiting[1].aborted
+        assert registry.refused == {"busy": 1, "group": 1} and registry.strangers == 0
 
     asyncio.run(scenario())
 
 
 def test_a_stream_must_prove_the_member_it_names() -> None:
     """Another key's HELLO as member 0 is refused and leaves member 0's slot free; member 0's
-    own is then admitted; a copy of it is refused."""
+    own is then admitted; a copy of it is refused. Streams that waited for the group are
+    examined in the order they came: an impostor that came first is refused for its key, not
+    for a slot the real member took meanwhile."""
     async def scenario() -> None:
         registry = RoundRegistry(1 << 20, Handshake(KEYS[1]))
         g = group(b"g" * 16)
         rnd = FakeRound(g)
+        early = [stream(registry, g, 0, KEYS[2]), stream(registry, g, 0)]
         registry.register(rnd)  # type: ignore[arg-type]
+        assert early[0].aborted is not None and early[1].sink == "sink"
+        assert registry.refused == {"identity": 1} and rnd.accepted == [0]
+        registry.refused.clear()
+        rnd.accepted.clear()
         for key in (KEYS[2], PeerKey.generate()):
-            forged = await stream(registry, g, 0, key)
+            forged = stream(registry, g, 0, key)
             assert forged.aborted is not None and "member 0" in forged.aborted
         assert rnd.accepted == [] and registry.refused == {"identity": 2}
         wire, _ = Handshake(KEYS[0]).hello(g, 0, 1)
-        genuine = FakeChannel()
-        await registry.route(genuine, registry.handshake.open_hello(wire, 0, 1), 0, 1)  # type: ignore[arg-type]
+        genuine = stream(registry, g, wire=wire)
         assert genuine.aborted is None and rnd.accepted == [0]
         rnd.accepted.clear()  # even with the slot free again, the same HELLO opens nothing
-        replayed = FakeChannel()
-        await registry.route(replayed, registry.handshake.open_hello(wire, 0, 1), 0, 1)  # type: ignore[arg-type]
+        replayed = stream(registry, g, wire=wire)
         assert replayed.aborted is not None and "replayed" in replayed.aborted
 
     asyncio.run(scenario())
