@@ -82,6 +82,10 @@ class ButterflyRound:
         self._max_in_flight = max_in_flight
         self._accepted: list[Channel] = []
         self.rates = (0.0, 0.0)
+        # the round starts here: the data plane may hand it streams as soon as it is registered
+        # (those that waited for the group), before `run`
+        self.hooks.begin_round(self.plan.link_parts(), self.plan.senders(),
+                               self.plan.listening)
 
     @property
     def group(self) -> Group:
@@ -103,7 +107,6 @@ class ButterflyRound:
         start = time.monotonic()
         sender = SenderSide(self.plan, self.ledger, self._connect, self.hooks, self.reducer,
                             self._handshake, self._max_in_flight, deadlines.start_wait_until)
-        self.hooks.begin_round(self.plan.link_parts(), self.plan.senders(), self.plan.listening)
         sender.start(deadlines.deadline)
         self.reducer.seed_own()
         leaving = False
