@@ -9,8 +9,8 @@ direction has its own key, so no nonce repeats under a key.
 One AEAD call per frame, and a frame is a whole part (up to part_size, 1 MiB by default): the
 cost is the cipher's speed (AES-256-GCM measured 2.3 GB/s per core here on cold data, AES-128
 only ~10 % faster, ChaCha20-Poly1305 0.6-0.7 GB/s), with no per-element work and no copy
-beyond the cipher's own output. Received frames are decrypted in place; sent ones are encrypted into buffers that
-are reused once the transport has handed their bytes to the kernel.
+beyond the cipher's own output. Received frames are decrypted in place; sent ones are
+encrypted into buffers that are reused once the transport has handed their bytes to the kernel.
 """
 
 from __future__ import annotations
