@@ -140,7 +140,8 @@ class FakeLeader:
         self.handshake = Handshake(self.peer, swarm, encrypt=True)
         self.values = np.full(elems, 1000.0, dtype=np.float32)
         self.followers = followers
-        self.joins: list[pb.JoinRequest] = []
+        self.joins: dict[bytes, pb.JoinRequest] = {}  # by peer id, in the order they came
+        self.assembling = False
         self.impostors: list[socket.socket] = []
         self.assembled: asyncio.Future[pb.GroupInfo] | None = None
         self.release: asyncio.Event | None = None
@@ -164,12 +165,15 @@ class FakeLeader:
     async def _join(self, request: pb.JoinRequest, context: aio.ServicerContext
                     ) -> AsyncIterator[pb.JoinResponse]:
         assert self.assembled is not None
-        if request.group_key != self.key or len(self.joins) >= self.followers:
+        if request.group_key != self.key or (request.peer_id not in self.joins
+                                             and len(self.joins) >= self.followers):
             yield pb.JoinResponse(code=pb.NOT_LOOKING)
             return
-        self.joins.append(request)
+        self.joins[request.peer_id] = request  # (a follower that asks again: its latest)
+        last = len(self.joins) == self.followers and not self.assembling
+        self.assembling |= last
         yield pb.JoinResponse(code=pb.ACCEPTED)
-        if len(self.joins) == self.followers:
+        if last:
             await self._assemble()
         info = await self.assembled
         yield pb.JoinResponse(code=pb.GROUP_ASSEMBLED, group_info=info)
@@ -180,7 +184,7 @@ class FakeLeader:
                          self.data_endpoint)
         group = Group(os.urandom(16), self.key, 0, self.schema, (me, *(
             GroupMember(r.peer_id, r.endpoint, r.weight, r.client_mode, r.bandwidth,
-                        r.data_endpoint) for r in self.joins)), "none")
+                        r.data_endpoint) for r in self.joins.values())), "none")
         await asyncio.to_thread(self._impersonate, group)
         await self.release.wait()  # the GroupInfo held back until the owners hold the streams
         view = FlatView(memoryview(self.values).cast("B"),
@@ -206,7 +210,7 @@ class FakeLeader:
                 wire, _ = claimed.hello(group, sender, owner)
                 if sender % 2:  # the victim's public key, our signature
                     inner = bytearray(self.swarm.open(b"data", _ctx(sender, owner), wire))
-                    inner[18:50] = self.joins[sender - 1].public_key
+                    inner[18:50] = list(self.joins.values())[sender - 1].public_key
                     wire = self.swarm.seal(b"data", _ctx(sender, owner), bytes(inner))
                 s = socket.create_connection((host, int(port)), timeout=5)
                 s.sendall(HEADER.pack(HELLO, 0, 0, owner, len(wire), sender) + wire
