@@ -28,6 +28,7 @@ from moshpitd.auth import SwarmKey
 from moshpitd.clock import RoundClock
 from moshpitd.hooks import NO_HOOKS
 from moshpitd.identity import PeerKey
+from moshpitd.matchmaking.declaration import Declaration
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.dataplane import HEADER, HELLO, PART
@@ -228,6 +229,10 @@ class FakeLeader:
     def hand_out_group(self) -> None:
         assert self.release is not None
         self.loop.loop.call_soon_threadsafe(self.release.set)
+
+    def declaration(self) -> Declaration:
+        """Its entry in the group it leads, as followers check it."""
+        return Declaration(self.grpc_endpoint, self.schema, data_endpoint=self.data_endpoint)
 
     def declare_at(self) -> int:
         """A declaration's version ten seconds in the past: it ranks before the honest peers'

@@ -28,7 +28,6 @@ from moshpitd.allreduce.robust import aggregate
 from moshpitd.auth import SwarmKey
 from moshpitd.identity import PeerKey
 from moshpitd.launcher import LocalSwarm, start_daemon
-from moshpitd.matchmaking.declaration import Declaration
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
@@ -163,8 +162,8 @@ def test_impersonation_on_the_data_plane_is_refused(net: Net) -> None:
         with RawDHT(net.key) as raw:
             for d in net.swarm.daemons:
                 assert raw.store_sub(hostport(d.dht), "impersonate", leader.peer,
-                                     Declaration(leader.grpc_endpoint, schema).pack(),
-                                     leader.declare_at(), ttl=60.0)
+                                     leader.declaration().pack(), leader.declare_at(),
+                                     ttl=60.0)
                 raw.leave(hostport(d.dht))
         inputs = {**inputs_of(net.ids, 10),  # (its round averages into leader.values)
                   leader.peer.peer_id.hex(): torch.from_numpy(leader.values.copy())}
