@@ -79,6 +79,7 @@ def summarize(s: Samples, peers: int, elems: int) -> dict[str, Any]:
             "matchmaking_median_s": statistics.median(s.matchmaking_seconds),
             "allreduce_median_s": statistics.median(s.reduce_seconds),
             "ipc_overhead_median_s": statistics.median(s.overhead_seconds),
+            "daemon_cpu_median_s": statistics.median(s.daemon_cpu_seconds),
             "partial_rounds": s.partial_rounds,
         })
     return row
@@ -94,7 +95,7 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None,
             ("median_s", "median s"), ("min_s", "min s"), ("max_s", "max s"),
             ("daemon_median_s", "daemon s"), ("matchmaking_median_s", "match s"),
             ("allreduce_median_s", "reduce s"), ("ipc_overhead_median_s", "ipc s"),
-            ("partial_rounds", "split")]
+            ("daemon_cpu_median_s", "cpu s"), ("partial_rounds", "split")]
     cells = [[title for _, title in cols]] + [[fmt(r.get(k)) for k, _ in cols] for r in rows]
     print_columns(cells)
     if ratio is not None and len(ratios) > 1:
@@ -108,8 +109,8 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None,
                   "repeats the peers split into smaller groups (not one average of all peers)")
     print("\nTimes are medians over repeats of the slowest peer per repeat. daemon = the "
           "daemon's own\ntime (match = matchmaking, reduce = daemon - match); ipc = call - "
-          "daemon time (median\nover peers and repeats); split = repeats whose peers did not "
-          "all form one group.")
+          "daemon time (median\nover peers and repeats); cpu = CPU seconds all daemons used "
+          "in one call; split = repeats\nwhose peers did not all form one group.")
 
 
 def main(argv: list[str] | None = None) -> int:

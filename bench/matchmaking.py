@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.cli import exit_on_sigterm, print_columns
-from bench.procs import BenchError, Child, Children, child_env
+from bench.procs import BenchError, Child, Children, child_env, cpu_seconds
 
 GOAL_SECONDS = 0.1
 START_DELAY = 0.1  # go lines carry "start at now + this": enough for every worker to wake up
@@ -104,19 +104,6 @@ def p90(values: list[float]) -> float:
     """Nearest-rank 90th percentile: a value that was actually observed."""
     ordered = sorted(values)
     return ordered[max(math.ceil(0.9 * len(ordered)) - 1, 0)]
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time the processes used so far (/proc/PID/stat), 0 for gone ones."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def machine_cpu_seconds() -> float:

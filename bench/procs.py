@@ -128,3 +128,16 @@ class Children:
                     child.proc.stdin.close()
         for child in self.children:
             child.stop(timeout=5.0 if exc is None else 1.0)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes used so far (/proc/PID/stat), 0 for gone ones."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+    return total / os.sysconf("SC_CLK_TCK")

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.procs import BenchError, Child, Children, child_env
+from bench.procs import BenchError, Child, Children, child_env, cpu_seconds
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Samples:
     matchmaking_seconds: list[float] = field(default_factory=list)
     overhead_seconds: list[float] = field(default_factory=list)
     reduce_seconds: list[float] = field(default_factory=list)
+    daemon_cpu_seconds: list[float] = field(default_factory=list)  # all daemons, per repeat
     partial_rounds: int = 0  # timed repeats whose peers did not all land in one group
     max_error: float = 0.0
 
@@ -32,7 +33,7 @@ def merge(runs: list[Samples]) -> Samples:
     out = Samples(runs[0].system)
     for s in runs:
         for name in ("seconds", "daemon_seconds", "matchmaking_seconds", "overhead_seconds",
-                     "reduce_seconds"):
+                     "reduce_seconds", "daemon_cpu_seconds"):
             getattr(out, name).extend(getattr(s, name))
         out.partial_rounds += s.partial_rounds
         out.max_error = max(out.max_error, s.max_error)
@@ -81,9 +82,11 @@ def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
             _answers(workers, timeout=120.0)
             for rep in range(1 + repeat):
                 key = f"bench-{rep}"
+                cpu = cpu_seconds([d.proc.pid for d in swarm.daemons])
                 for w in workers:
                     w.send(f"go {key}")
                 replies = _answers(workers, timeout=timeout + 30.0)
+                cpu = cpu_seconds([d.proc.pid for d in swarm.daemons]) - cpu
                 sizes = sorted(r["group_size"] for r in replies)
                 for w in workers:  # now that no round runs any more
                     w.send("check")
@@ -97,6 +100,7 @@ def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
                     continue
                 out.partial_rounds += sizes[0] != peers
                 out.seconds.append(max(r["seconds"] for r in replies))
+                out.daemon_cpu_seconds.append(cpu)
                 out.daemon_seconds.append(max(r["daemon_seconds"] for r in replies))
                 out.matchmaking_seconds.append(max(r["matchmaking_seconds"] for r in replies))
                 out.reduce_seconds.append(max(r["daemon_seconds"] - r["matchmaking_seconds"]

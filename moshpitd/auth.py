@@ -9,7 +9,8 @@ with tag = HMAC-SHA256(purpose key, context | timestamp | nonce | payload). The 
 tag to where the message is used (the gRPC method, the DHT, a data-plane HELLO and its sender),
 so a sealed message cannot be replayed elsewhere. Receivers drop messages whose timestamp is
 more than WINDOW seconds off their clock, and requests whose nonce they saw within the window.
-The payload is authenticated, not encrypted: use TLS (gRPC) or a VPN where secrecy matters.
+The payload is authenticated, not encrypted: gRPC is encrypted by TLS, and data-plane streams
+by their own handshake's keys (transport/handshake.py).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class SwarmKey:
         self.window = window
         # one key per purpose: a tag made for the DHT never verifies on gRPC or the data plane
         self._keys = {p: hmac.new(secret, b"moshpit/" + p, hashlib.sha256).digest()
-                      for p in (b"dht", b"grpc", b"data")}
+                      for p in (b"dht", b"grpc", b"data", b"data-aead")}
         self.fingerprint = hashlib.sha256(b"moshpit/fingerprint" + secret).hexdigest()[:16]
 
     @classmethod
@@ -77,6 +78,11 @@ class SwarmKey:
             raise ValueError(f"swarm key file {path} is readable or writable by others; "
                              "chmod 600 (or 640) it")
         return cls(secret)
+
+    def subkey(self, purpose: bytes) -> bytes:
+        """A secret of its own for `purpose`, derived from the swarm key (data-aead: mixed into
+        the data plane's stream keys, transport/handshake.py)."""
+        return self._keys[purpose]
 
     def _tag(self, purpose: bytes, context: bytes, *parts: bytes | memoryview) -> bytes:
         mac = hmac.new(self._keys[purpose], context, hashlib.sha256)

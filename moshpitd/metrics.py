@@ -99,6 +99,13 @@ class Metrics:
             "join_max_in_flight of them, or join_max_per_peer from the asking peer id",
             "limit", ("in_flight", "per_peer"), refused))
 
+    def watch_data_plane(self, plane: DataPlaneStats) -> None:
+        """Streams the data plane refused, and those waiting for a group it does not hold."""
+        Gauge("moshpitd_data_streams_waiting", "Incoming data-plane streams waiting for a "
+              "group this daemon does not hold yet (bounded; more are refused as busy)",
+              registry=self.registry).set_function(lambda: plane.strangers)
+        self.registry.register(_DataPlaneCollector(plane))
+
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
 
@@ -112,7 +119,9 @@ class _AuthCollector(Collector):
                                      "or bad swarm-key tag, a stale timestamp or a replay, by "
                                      "plane; dht_record: DHT records not signed by the peer "
                                      "whose id is their subkey, or dated outside the clock "
-                                     "window", labels=["plane"])
+                                     "window; join: joins that do not prove their peer id; "
+                                     "data_handshake: data-plane streams whose handshake does "
+                                     "not prove the member they name", labels=["plane"])
         for plane, count in sorted(self.rejected().items()):
             family.add_metric([plane], count)
         yield family
@@ -171,6 +180,29 @@ class _DHTStoreCollector(Collector):
         yield CounterMetricFamily("moshpitd_dht_signatures_verified", "Ed25519 signatures of "
                                   "DHT records checked (records verified before are not "
                                   "checked again)", value=self.records.verifications)
+
+
+class DataPlaneStats(Protocol):
+    @property
+    def strangers(self) -> int: ...
+    @property
+    def refused(self) -> Mapping[str, int]: ...
+
+
+class _DataPlaneCollector(Collector):
+    def __init__(self, plane: DataPlaneStats) -> None:
+        self.plane = plane
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "moshpitd_data_streams_refused", "Incoming data-plane streams refused: busy (no "
+            "room to wait for an unknown group; the sender opens it again), identity (its "
+            "handshake does not prove it is the member it names), handshake (malformed, stale, "
+            "unsealed or another encryption setting), group (no such group in time, its round "
+            "over, or not for this member)", labels=["reason"])
+        for reason in ("busy", "identity", "handshake", "group"):
+            family.add_metric([reason], self.plane.refused.get(reason, 0))
+        yield family
 
 
 class _DHTCollector(Collector):

@@ -14,7 +14,7 @@ import grpc
 from grpc import aio
 
 from moshpitd.allreduce.layout import FlatView
-from moshpitd.allreduce.registry import RoundRegistry
+from moshpitd.allreduce.registry import REFUSED_IDENTITY, RoundRegistry
 from moshpitd.clock import stream_wait
 from moshpitd.dht.network import DHTNode
 from moshpitd.dht.storage import SubkeyStorage
@@ -28,6 +28,7 @@ from moshpitd.matchmaking.matchmaker import (
     wait_background,
 )
 from moshpitd.matchmaking.runs import RunDirectory
+from moshpitd.matchmaking.signing import PeerAuth, tls_binding_of
 from moshpitd.metrics import Metrics
 from moshpitd.node_config import NodeConfig, ShuttingDown, format_hostport
 from moshpitd.proto import moshpit_pb2 as pb
@@ -35,6 +36,7 @@ from moshpitd.rounds import AverageRequest, AverageResult, RoundLog
 from moshpitd.runner import Endpoints, RoundRunner
 from moshpitd.state import StateStore
 from moshpitd.transport.grpc_server import AveragerServer, ChannelPool
+from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.security import Security
 
 log = logging.getLogger(__name__)
@@ -65,14 +67,24 @@ class MoshpitNode:
         self.pool = ChannelPool(config.max_message_bytes, security)
         self.server = AveragerServer(self._handle_join, self._handle_state,
                                      config.max_message_bytes, security)
-        self.registry = RoundRegistry(config.part_size * 2 + 4096, config.swarm_key,
-                                     stream_wait(config.matchmaking_attempt_timeout))
+        # identity is always on; encryption whenever a swarm key or TLS says the network is
+        # not trusted, unless the operator turned it off
+        encrypt = config.data_encryption == "auto" and (config.swarm_key is not None
+                                                        or config.tls is not None)
+        self.auth = PeerAuth(self.dht.identity, config.tls.cert if config.tls else None)
+        self.registry = RoundRegistry(
+            config.part_size * 2 + 4096,
+            Handshake(self.dht.identity, config.swarm_key, encrypt),
+            stream_wait(config.matchmaking_attempt_timeout))
         self.metrics.watch_auth(lambda: {
             "dht": self.dht.protocol.rpcs["received", "any", "unauthenticated"]
             if getattr(self.dht, "protocol", None) else 0,
             "grpc": security.rejected, "data": self.registry.rejected,
+            "data_handshake": self.registry.refused[REFUSED_IDENTITY],
+            "join": self.auth.refused,
             "dht_record": sum(self.dht.verifier.refused.values())})
         self.metrics.watch_dht_store(self.dht.storage, self.dht.verifier)
+        self.metrics.watch_data_plane(self.registry)
         self.hooks = hooks  # the fault tests' (service.py installs them)
         self.joins = JoinAdmission(config.join_max_in_flight, config.join_max_per_peer)
         self.metrics.watch_joins(lambda: self.joins.refused)
@@ -119,7 +131,7 @@ class MoshpitNode:
         self.data_endpoint = format_hostport(c.advertise_host or grpc_host, dport)
         self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint, hooks=self.hooks)
         self._runner = RoundRunner(c, Endpoints(self.peer_id, self.grpc_endpoint,
-                                                self.data_endpoint),
+                                                self.data_endpoint, self.auth),
                                    self.dht, self.pool, self.registry, self.hooks, self.metrics,
                                    self.log, self._probe, lambda: self.draining)
         self._lag_task = asyncio.create_task(self._watch_loop_lag())
@@ -278,8 +290,11 @@ class MoshpitNode:
         if why is not None:
             yield pb.JoinResponse(code=pb.GROUP_FULL, message=why)
             return
+        # over TLS, a join must be signed for the certificate its caller presented
+        binding = (tls_binding_of(context.auth_context()) if self.config.tls is not None
+                   else b"")
         try:
-            async for response in mm.handle_join(request):
+            async for response in mm.handle_join(request, binding):
                 yield response
         finally:
             self.joins.release(request.peer_id)

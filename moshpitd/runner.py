@@ -27,6 +27,7 @@ from moshpitd.matchmaking.grid import carried_weight
 from moshpitd.matchmaking.matchmaker import LineWatcher, Matchmaker, MatchRequest, Self
 from moshpitd.matchmaking.request import SettlePolicy
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
+from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.metrics import Metrics
 from moshpitd.node_config import NodeConfig, ShuttingDown
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog, RoundRecord
@@ -51,9 +52,12 @@ class RoundOutcome:
 
 @dataclass(frozen=True)
 class Endpoints:
+    """Who we are to our peers: our id, where we listen, and the key that proves the id."""
+
     peer_id: bytes
     grpc: str
     data: str
+    auth: PeerAuth | None = None
 
 
 class RoundRunner:
@@ -192,7 +196,7 @@ class RoundRunner:
             client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure
-                  self.config.bandwidth or self.deadlines.link_mbit)
+                  self.config.bandwidth or self.deadlines.link_mbit, self.me.auth)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe, self.hooks)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt
@@ -218,9 +222,8 @@ class RoundRunner:
                          aggregation: str) -> RoundResult:
         rnd = ButterflyRound(group, group.index_of(self.me.peer_id), view,
                              get_codec(group.codec), self.registry.connect,
-                             self.config.part_size, self.hooks, aggregation,
-                             self.config.max_parts_in_flight,
-                             self.registry.hello if self.config.swarm_key is not None else None)
+                             self.registry.handshake, self.config.part_size, self.hooks,
+                             aggregation, self.config.max_parts_in_flight)
         self.registry.register(rnd)
         try:
             result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))

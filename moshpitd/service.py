@@ -100,6 +100,12 @@ async def serve(settings: Settings, swarm_key: SwarmKey | None = None,
     sys.setswitchinterval(0.0005)
     metrics = Metrics()
     node = MoshpitNode(config, metrics, hooks=installed_hooks())
+    if node.registry.handshake.mode:
+        log.info("data plane: streams encrypted (AES-256-GCM), each proven by its peer key")
+    else:
+        log.info("data plane: streams proven by their peer keys, not encrypted (%s)",
+                 "data_encryption = off" if settings.data_encryption == "off"
+                 else "no swarm key or TLS")
     signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

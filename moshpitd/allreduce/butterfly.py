@@ -39,9 +39,10 @@ from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView
 from moshpitd.allreduce.owner import ReducerSide, SenderSlot
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.rates import link_rates
-from moshpitd.allreduce.sender import Connector, HelloSealer, SenderSide
+from moshpitd.allreduce.sender import Connector, SenderSide
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.transport.dataplane import LEFT, Channel, flush_aborts
+from moshpitd.transport.handshake import Handshake
 
 # How often the round looks again whether every result went out to the transports: they may
 # hold views of the trainer's buffer until then (a protocol constant: the poll's granularity).
@@ -69,18 +70,22 @@ class RoundResult:
 
 class ButterflyRound:
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
-                 connect: Connector, part_bytes: int = DEFAULT_PART_BYTES,
-                 hooks: Hooks = NO_HOOKS, aggregation: str = "mean",
-                 max_in_flight: int = 64, seal_hello: HelloSealer | None = None) -> None:
+                 connect: Connector, handshake: Handshake,
+                 part_bytes: int = DEFAULT_PART_BYTES, hooks: Hooks = NO_HOOKS,
+                 aggregation: str = "mean", max_in_flight: int = 64) -> None:
         self.plan = RoundPlan(group, my_index, view, codec, part_bytes)
         self.ledger = Ledger(self.plan)
         self.hooks = hooks
         self.reducer = ReducerSide(self.plan, self.ledger, hooks, aggregation, max_in_flight)
         self._connect = connect
-        self._seal_hello = seal_hello
+        self._handshake = handshake
         self._max_in_flight = max_in_flight
         self._accepted: list[Channel] = []
         self.rates = (0.0, 0.0)
+        # the round starts here: the data plane may hand it streams as soon as it is registered
+        # (those that waited for the group), before `run`
+        self.hooks.begin_round(self.plan.link_parts(), self.plan.senders(),
+                               self.plan.listening)
 
     @property
     def group(self) -> Group:
@@ -101,8 +106,7 @@ class ButterflyRound:
         came. The trainer's buffer is ours until then, and untouched after."""
         start = time.monotonic()
         sender = SenderSide(self.plan, self.ledger, self._connect, self.hooks, self.reducer,
-                            self._seal_hello, self._max_in_flight, deadlines.start_wait_until)
-        self.hooks.begin_round(self.plan.link_parts(), self.plan.senders(), self.plan.listening)
+                            self._handshake, self._max_in_flight, deadlines.start_wait_until)
         sender.start(deadlines.deadline)
         self.reducer.seed_own()
         leaving = False

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from functools import cached_property
+
+import msgpack
 
 from moshpitd.allreduce.spans import optimal_shares
 from moshpitd.proto import moshpit_pb2 as pb
+
+DIGEST_DOMAIN = b"moshpit/group/1\x00"
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,16 @@ class Group:
             if m.peer_id == peer_id:
                 return i
         raise KeyError(peer_id.hex())
+
+    @cached_property
+    def digest(self) -> bytes:
+        """SHA-256 of every field of the group in a fixed encoding: what the leader signs and
+        what every data-plane handshake binds to, so members that were shown different groups
+        under one id cannot open streams to each other. Fields added to the dataclasses are
+        covered without a change here."""
+        fields = [self.group_id, self.key, self.round, self.schema_hash, self.codec,
+                  [list(astuple(m)) for m in self.members]]
+        return hashlib.sha256(DIGEST_DOMAIN + msgpack.packb(fields, use_bin_type=True)).digest()
 
     @property
     def listeners(self) -> int:

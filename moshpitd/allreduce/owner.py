@@ -24,7 +24,15 @@ from moshpitd.allreduce.layout import LayoutError, Part
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
 from moshpitd.hooks import Hooks
-from moshpitd.transport.dataplane import ABORT, BAD_VALUES, PART, RESULT, Channel, DataPlaneError
+from moshpitd.transport.dataplane import (
+    ABORT,
+    BAD_VALUES,
+    PART,
+    RESULT,
+    Channel,
+    DataPlaneError,
+    TamperedFrame,
+)
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
@@ -89,7 +97,9 @@ class SenderSlot:
 
     def on_close(self, exc: BaseException | None) -> None:
         self.outbox.close()
-        if self.expected:
+        if isinstance(exc, TamperedFrame):  # its later parts would be no more trustworthy
+            self.side.exclude(self.sender, f"its stream was tampered with: {exc}", "tampered")
+        elif self.expected:
             self.side.exclude(self.sender, f"its stream closed ({exc or 'EOF'})",
                               "disconnected")
 
@@ -159,12 +169,16 @@ class ReducerSide:
         if not self._pending:
             self._done.set()
 
-    def accept(self, sender: int, channel: Channel) -> SenderSlot:
-        """A sender's stream arrived (after its HELLO)."""
+    def check_sender(self, sender: int) -> None:
+        """May a stream as `sender` still come? (Before its handshake is checked.)"""
         if not 0 <= sender < self.plan.size or sender == self.plan.me:
             raise DataPlaneError(f"sender index {sender} is not valid in this group")
         if sender in self.slots or self.reducer.excluded >> sender & 1:
             raise DataPlaneError(f"sender {sender} already streamed or was excluded")
+
+    def accept(self, sender: int, channel: Channel) -> SenderSlot:
+        """A sender's stream arrived, its handshake proven (registry.py)."""
+        self.check_sender(sender)
         slot = SenderSlot(self, sender, channel)
         self.slots[sender] = slot
         self._joined.set()

@@ -18,7 +18,7 @@ from moshpitd.allreduce.codecs import Codec
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import FlatView, LayoutError, Part, plan_parts
 from moshpitd.allreduce.reducer import ArrayPool
-from moshpitd.transport.dataplane import HEADER
+from moshpitd.transport.dataplane import FRAME_SLACK
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
@@ -109,9 +109,9 @@ class Ledger:
         self._staging: list[np.ndarray] = []
 
     def staging(self) -> memoryview:
-        """A receive buffer for one part and the next frame's header, from STAGING; back there
-        when the round closes."""
-        buf = STAGING.take(self.plan.max_part_bytes + HEADER.size, np.dtype(np.uint8))
+        """A receive buffer for one part, its tag when sealed and the next frame's header, from
+        STAGING; back there when the round closes."""
+        buf = STAGING.take(self.plan.max_part_bytes + FRAME_SLACK, np.dtype(np.uint8))
         self._staging.append(buf)
         return buf.data
 

@@ -2,6 +2,13 @@
 
 A sender may connect before the reducer has even learnt of the group (the leader's GroupInfo
 reaches members in any order), so a stream that names an unknown group waits a little for it.
+
+Admission: a stream for a group we hold (a round registered here) is admitted at once, whatever
+else is waiting. Streams for groups we do not know share one small table (MAX_STRANGERS); when
+it is full, a new one is refused with BUSY and its sender opens it again a moment later, by
+which time a legitimate group is ours. So strangers that fill the table (a flood of HELLOs with
+made-up group ids) delay nobody's round and refuse none. Connections that have not said HELLO
+yet are bounded too, the oldest dropped first: a legitimate one says HELLO at once.
 """
 
 from __future__ import annotations
@@ -9,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 from moshpitd.allreduce.butterfly import ButterflyRound
-from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
 from moshpitd.transport.dataplane import (
+    BUSY,
     HELLO,
     READY,
     Channel,
@@ -22,6 +31,7 @@ from moshpitd.transport.dataplane import (
     serve,
     split_endpoint,
 )
+from moshpitd.transport.handshake import Handshake, HandshakeError, Hello, UnsealedHello
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +40,15 @@ MAX_FINISHED = 4096  # ended rounds remembered, to refuse their late streams at 
 # dropped whatever round it might have been for (it holds a descriptor and a MAX_UNOPENED slot).
 HELLO_TIMEOUT = 10.0
 MAX_UNOPENED = 1024
-MAX_PENDING = 1024
+# Streams waiting for a group we do not hold. Legitimate ones wait a few ms (until our
+# matchmaking hands us the group); a stream refused for room comes again (sender.py).
+MAX_STRANGERS = 64
+
+# why a stream was refused: the `reason` of moshpitd_data_streams_refused_total
+REFUSED_BUSY = "busy"  # unknown group, and no room to wait
+REFUSED_IDENTITY = "identity"  # its handshake does not prove it is the member it names
+REFUSED_HANDSHAKE = "handshake"  # malformed, stale, or another encryption setting
+REFUSED_GROUP = "group"  # no such group here in time, the round is over, or not for us
 
 
 class _Hello:
@@ -40,46 +58,65 @@ class _Hello:
         self.registry = registry
         self.channel: Channel | None = None
         self.greeted = False
-        registry.unopened += 1
+        self.waiting: _Waiting | None = None  # while it waits for its group
+        registry.unopened[self] = None
         self._timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._too_slow)
 
     def _too_slow(self) -> None:
+        self.drop(f"no HELLO within {HELLO_TIMEOUT:.0f} s")
+
+    def drop(self, why: str) -> None:
         if self.channel is not None:  # a connection that never says who it is: drop it
-            self.channel.abort(f"no HELLO within {HELLO_TIMEOUT:.0f} s")
+            self.channel.abort(why)
+        self._opened()
 
     def _opened(self) -> None:
         if not self.greeted:
             self.greeted = True
-            self.registry.unopened -= 1
+            self.registry.unopened.pop(self, None)
             self._timer.cancel()
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        if kind != HELLO or length != self.registry.hello_length:
-            if self.registry.auth is not None:
+        if kind != HELLO or length != self.registry.handshake.hello_length:
+            self.registry.refused[REFUSED_HANDSHAKE] += 1
+            if self.registry.handshake.swarm is not None:
                 self.registry.rejected += 1
-            raise DataPlaneError("a stream must open with HELLO"
-                                 + (" sealed with the swarm key" if self.registry.auth else ""))
+            raise DataPlaneError("a stream must open with HELLO" + (
+                " sealed with the swarm key" if self.registry.handshake.swarm else ""))
         return None
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         assert self.channel is not None and self.channel.transport is not None
         self._opened()
-        group_id = bytes(payload)
-        auth = self.registry.auth
-        if auth is not None:
-            try:  # bound to sender and receiver: a copied HELLO opens no other stream
-                group_id = auth.open(b"data", _hello_context(aux, part), group_id,
-                                     self.registry.replay)
-            except AuthError as exc:
-                self.registry.rejected += 1
-                raise DataPlaneError(f"unauthenticated data-plane stream: {exc}") from None
-        self.channel.transport.pause_reading()
-        task = asyncio.ensure_future(self.registry.route(self.channel, group_id, aux, part))
-        self.registry.tasks.add(task)
-        task.add_done_callback(self.registry.tasks.discard)
+        try:
+            hello = self.registry.handshake.open_hello(payload, aux, part)
+        except UnsealedHello as exc:
+            self.registry.rejected += 1
+            self.registry.refused[REFUSED_HANDSHAKE] += 1
+            raise DataPlaneError(str(exc)) from None
+        except HandshakeError as exc:
+            self.registry.refused[REFUSED_HANDSHAKE] += 1
+            raise DataPlaneError(f"refused handshake: {exc}") from None
+        self.channel.transport.pause_reading()  # until it is attached to its round
+        self.registry.route(self.channel, hello, aux, part, self)
 
     def on_close(self, exc: BaseException | None) -> None:
         self._opened()
+        if self.waiting is not None:  # gone while it waited: its room is free again
+            self.registry.forget(self.waiting)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A stream that waits for a group we do not hold yet."""
+
+    channel: Channel
+    hello: Hello
+    sender: int
+    receiver: int
+    since: float
+    sink: _Hello | None = None
+    timer: asyncio.TimerHandle | None = None
 
 
 class _Refused(Channel):
@@ -88,32 +125,30 @@ class _Refused(Channel):
         transport.close()
 
 
-def _hello_context(sender: int, receiver: int) -> bytes:
-    return (b"hello" + (sender & 0xFFFFFFFF).to_bytes(4, "big")
-            + (receiver & 0xFFFFFFFF).to_bytes(4, "big"))
-
-
 class RoundRegistry:
-    def __init__(self, max_payload: int, auth: SwarmKey | None = None,
-                 stream_wait: float = 10.0) -> None:
+    def __init__(self, max_payload: int, handshake: Handshake | None = None,
+                 stream_wait: float = 10.0, max_strangers: int = MAX_STRANGERS) -> None:
         self.max_payload = max_payload
         self.stream_wait = stream_wait  # see clock.stream_wait
-        self.auth = auth
-        self.replay = ReplayCache()
-        self.hello_length = 16 + (OVERHEAD if auth is not None else 0)
-        self.unopened = 0  # accepted connections that have not sent their HELLO yet
+        self.handshake = handshake or Handshake()
+        self.max_strangers = max_strangers
+        self.unopened: dict[_Hello, None] = {}  # connections without HELLO yet, oldest first
         self.rejected = 0  # HELLOs without a valid swarm-key tag
-        self._rounds: dict[bytes, asyncio.Future[ButterflyRound]] = {}
+        self.refused: Counter[str] = Counter()  # streams refused, by reason
+        self._rounds: dict[bytes, ButterflyRound] = {}  # groups we hold: admitted first
+        self._waiting: dict[bytes, list[_Waiting]] = {}  # streams of groups we do not hold
+        self.strangers = 0  # streams waiting for a group we do not hold
         # rounds that ended here: a late stream for one is refused at once, so its sender
         # stops waiting for us instead of waiting stream_wait (insertion-ordered, bounded)
         self._finished: dict[bytes, None] = {}
         self.server: asyncio.Server | None = None
-        self.tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int) -> int:
         def accept() -> Channel:
-            if self.unopened >= MAX_UNOPENED:  # a flood of idle connections: refuse new ones
-                return _Refused(None, 0)
+            if len(self.unopened) >= MAX_UNOPENED:  # idle connections: drop the oldest
+                next(iter(self.unopened)).drop("too many connections without a HELLO")
+                if len(self.unopened) >= MAX_UNOPENED:  # (not yet connected: cannot drop)
+                    return _Refused(None, 0)
             hello = _Hello(self)
             channel = Channel(hello, self.max_payload)
             hello.channel = channel
@@ -125,33 +160,23 @@ class RoundRegistry:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-        for task in list(self.tasks):
-            task.cancel()
-
-    def hello(self, group_id: bytes, sender: int, receiver: int) -> bytes:
-        """The HELLO payload that opens our stream to a reducer (sealed with the swarm key:
-        the data plane only takes streams from daemons of the swarm)."""
-        if self.auth is None:
-            return group_id
-        return self.auth.seal(b"data", _hello_context(sender, receiver), group_id)
+        for entries in list(self._waiting.values()):
+            for entry in list(entries):
+                self.forget(entry)
 
     async def connect(self, endpoint: str, sink: FrameSink) -> Channel:
         host, port = split_endpoint(endpoint)
         return await connect(host, port, sink, self.max_payload)
 
-    def _future(self, group_id: bytes) -> asyncio.Future[ButterflyRound]:
-        fut = self._rounds.get(group_id)
-        if fut is None:
-            if len(self._rounds) >= MAX_PENDING:
-                raise DataPlaneError("too many pending groups")
-            fut = asyncio.get_running_loop().create_future()
-            self._rounds[group_id] = fut
-        return fut
-
     def register(self, rnd: ButterflyRound) -> None:
-        fut = self._future(rnd.group.group_id)
-        if not fut.done():
-            fut.set_result(rnd)
+        """A round of ours: its streams are admitted from now on, and those already waiting
+        for it go to it now, in the order they came."""
+        gid = rnd.group.group_id
+        self._rounds[gid] = rnd
+        for entry in self._waiting.pop(gid, []):
+            self._unwait(entry)
+            self._admit(rnd, entry.channel, entry.hello, entry.sender, entry.receiver,
+                        entry.since)
 
     def unregister(self, group_id: bytes) -> None:
         self._rounds.pop(group_id, None)
@@ -159,27 +184,81 @@ class RoundRegistry:
         while len(self._finished) > MAX_FINISHED:
             del self._finished[next(iter(self._finished))]
 
-    async def route(self, channel: Channel, group_id: bytes, sender: int,
-                    receiver: int) -> None:
-        started = time.monotonic()
+    def route(self, channel: Channel, hello: Hello, sender: int, receiver: int,
+              sink: _Hello | None = None) -> None:
+        """A stream whose HELLO checked out in form: to its round, or to wait for it."""
+        now = time.monotonic()
+        gid = hello.group_id
+        rnd = self._rounds.get(gid)
+        if rnd is not None:
+            self._admit(rnd, channel, hello, sender, receiver, now)
+        elif gid in self._finished:
+            self._refuse(channel, REFUSED_GROUP, sender, now,
+                         f"group {gid.hex()[:8]}'s round is over here")
+        elif self.strangers >= self.max_strangers:
+            self._refuse(channel, REFUSED_BUSY, sender, now,
+                         f"busy: {self.strangers} streams already wait for groups unknown "
+                         "here; open the stream again")
+        else:
+            entry = _Waiting(channel, hello, sender, receiver, now, sink)
+            entry.timer = asyncio.get_running_loop().call_later(self.stream_wait,
+                                                                 self._expire, entry)
+            self._waiting.setdefault(gid, []).append(entry)
+            self.strangers += 1
+            if sink is not None:
+                sink.waiting = entry
+
+    def forget(self, entry: _Waiting) -> None:
+        """A waiting stream closed: it waits no more."""
+        waiting = self._waiting.get(entry.hello.group_id)
+        if waiting is not None and entry in waiting:
+            waiting.remove(entry)
+            if not waiting:
+                del self._waiting[entry.hello.group_id]
+            self._unwait(entry)
+
+    def _expire(self, entry: _Waiting) -> None:
+        self.forget(entry)
+        self._refuse(entry.channel, REFUSED_GROUP, entry.sender, entry.since,
+                     f"no group {entry.hello.group_id.hex()[:8]} here after "
+                     f"{self.stream_wait:.0f} s")
+
+    def _unwait(self, entry: _Waiting) -> None:
+        self.strangers -= 1
+        if entry.timer is not None:
+            entry.timer.cancel()
+        if entry.sink is not None:
+            entry.sink.waiting = None
+
+    def _admit(self, rnd: ButterflyRound, channel: Channel, hello: Hello, sender: int,
+               receiver: int, since: float) -> None:
+        """Attach a stream to our round if its handshake proves it is member `sender`'s."""
         try:
-            if group_id in self._finished:
-                raise DataPlaneError(f"group {group_id.hex()[:8]}'s round is over here")
-            fut = self._future(group_id)
-            async with asyncio.timeout(self.stream_wait):
-                rnd = await asyncio.shield(fut)
             if receiver != rnd.me:
                 raise DataPlaneError(f"stream meant for member {receiver}, this is {rnd.me}")
-            channel.sink = rnd.accept(sender, channel)
-            channel.send_nowait(READY, rnd.me)
-        except (TimeoutError, DataPlaneError) as exc:
-            pending = self._rounds.get(group_id)
-            if pending is not None and not pending.done():
-                del self._rounds[group_id]
-            why = str(exc) or f"no group {group_id.hex()[:8]} here after {self.stream_wait:.0f} s"
-            log.info("refusing stream from member %d: %s (waited %.2fs)", sender, why,
-                     time.monotonic() - started)
-            channel.abort(why)
+            rnd.reducer.check_sender(sender)
+        except DataPlaneError as exc:
+            self._refuse(channel, REFUSED_GROUP, sender, since, str(exc))
             return
+        try:
+            ready, cipher = self.handshake.accept(hello, rnd.group, sender, rnd.me)
+        except HandshakeError as exc:
+            self._refuse(channel, REFUSED_IDENTITY, sender, since, f"refused: {exc}")
+            return
+        channel.sink = rnd.accept(sender, channel)
+        channel.send_nowait(READY, rnd.me, ready)  # the last frame in the clear
+        channel.cipher = cipher
         if channel.transport is not None and not channel.transport.is_closing():
             channel.transport.resume_reading()
+
+    def _refuse(self, channel: Channel, reason: str, sender: int, since: float,
+                why: str) -> None:
+        self.refused[reason] += 1
+        if reason == REFUSED_GROUP:
+            log.info("refusing stream from member %d: %s (waited %.2fs)", sender, why,
+                     time.monotonic() - since)
+        else:  # counted, not logged above DEBUG: any key holder can send these
+            log.debug("refusing stream as member %d: %s", sender, why)
+        channel.abort(why, code=BUSY if reason == REFUSED_BUSY else 0)
+
+

@@ -25,6 +25,7 @@ from moshpitd.hooks import Hooks
 from moshpitd.transport.dataplane import (
     ABORT,
     BAD_VALUES,
+    BUSY,
     HELLO,
     LEFT,
     PART,
@@ -33,12 +34,18 @@ from moshpitd.transport.dataplane import (
     Channel,
     DataPlaneError,
     FrameSink,
+    TamperedFrame,
 )
+from moshpitd.transport.handshake import Handshake, HandshakeError, Pending
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
 Connector = Callable[[str, FrameSink], Awaitable[Channel]]
-HelloSealer = Callable[[bytes, int, int], bytes]
+# An owner that has no room for our stream yet (BUSY: it does not know our group, and strangers
+# fill its table) hears from us again after BUSY_RETRY, doubling up to BUSY_RETRY_MAX: protocol
+# constants, the time for our group to reach it (a GroupInfo on the way), not a round's deadline.
+BUSY_RETRY = 0.005  # s
+BUSY_RETRY_MAX = 0.1  # s
 
 
 class Exclusions(Protocol):
@@ -96,8 +103,21 @@ class OwnerLink:
         self._gate = gate
         self._exclusions = exclusions
         self._ready = False  # READY came (or the owner failed)
+        self.channel: Channel | None = None  # the stream of the current attempt
+        self.pending: Pending | None = None  # our HELLO, until the owner's READY answers it
+        self.handshake: Handshake | None = None
+        self.answered = asyncio.Event()  # READY proved the owner, or BUSY, or it failed
+        self.busy = False
+
+    def opening(self, channel: Channel, handshake: Handshake, pending: Pending) -> None:
+        """A new attempt at the stream: `pending` is the HELLO we sent on `channel`."""
+        self.channel, self.handshake, self.pending = channel, handshake, pending
+        self.busy = False
+        self.answered.clear()
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        if self.pending is not None and kind not in (READY, ABORT):
+            raise DataPlaneError(f"owner {self.owner} sent frame kind {kind} before its READY")
         if kind != RESULT:
             return None
         p = self.plan.part(part)
@@ -110,7 +130,11 @@ class OwnerLink:
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         if kind == READY:
-            self._mark_ready()
+            self._proven(payload)
+            return
+        if kind == ABORT and aux == BUSY and self.pending is not None:
+            self.busy = True  # no room for us there yet: the stream opens again
+            self.answered.set()
             return
         if kind == ABORT:
             why = bytes(payload).decode(errors="replace")
@@ -142,6 +166,22 @@ class OwnerLink:
             self.done.set()
         self.progress.set()
 
+    def _proven(self, ready: memoryview) -> None:
+        """The owner's READY: it must prove the owner's key and answer our HELLO; the stream
+        is sealed from the next frame on when the daemons encrypt."""
+        if self.pending is None or self.handshake is None or self.channel is None:
+            self.fail("READY that answers no HELLO of ours")
+            return
+        try:
+            self.channel.cipher = self.handshake.finish(self.pending, ready)
+        except HandshakeError as exc:
+            self.fail(f"it did not prove to be member {self.owner}: {exc}")
+            self.channel.abort(f"refused READY: {exc}")
+            return
+        self.pending = None
+        self.answered.set()
+        self._mark_ready()
+
     def in_flight(self, sent: int) -> int:
         return sent - (len(self.parts) - len(self.waiting))
 
@@ -150,7 +190,10 @@ class OwnerLink:
         not come either; that holds even when all its results are in and it never connected
         to us as a sender, which would otherwise leave us waiting for the deadline. Closed
         after an ABORT: that said what happened, and is not counted again."""
-        if self.failure is not None or self.told:
+        if self.failure is not None or self.told or self.busy:
+            return
+        if isinstance(exc, TamperedFrame):  # the path, not necessarily its daemon, is bad
+            self.fail(f"its results were tampered with: {exc}")
             return
         if self.waiting:
             self.fail(f"stream closed ({exc or 'EOF'})")
@@ -163,6 +206,7 @@ class OwnerLink:
                      self.owner, why, len(self.waiting))
         self.done.set()
         self.progress.set()
+        self.answered.set()
         self._mark_ready()
 
     def _recheck(self, index: int) -> None:
@@ -181,12 +225,12 @@ class SenderSide:
     """Our parts to every other owner, and their results back."""
 
     def __init__(self, plan: RoundPlan, ledger: Ledger, connect: Connector, hooks: Hooks,
-                 exclusions: Exclusions, seal_hello: HelloSealer | None,
+                 exclusions: Exclusions, handshake: Handshake,
                  max_in_flight: int, start_wait_until: float) -> None:
         self.plan = plan
         self.connect = connect
         self.hooks = hooks
-        self.seal_hello = seal_hello  # swarm key: reducers only take sealed streams
+        self.handshake = handshake  # our peer key: owners take only streams that prove it
         self.max_in_flight = max_in_flight
         self.exclusions = exclusions
         owners = {o: ps for o, ps in plan.by_owner.items() if o != plan.me}
@@ -217,15 +261,9 @@ class SenderSide:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _exchange(self, link: OwnerLink, deadline: float) -> None:
-        member = self.plan.group.members[link.owner]
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                channel = await self.connect(member.data_endpoint, link)
-            self.channels.append(channel)
-            hello = self.plan.group.group_id
-            if self.seal_hello is not None:
-                hello = self.seal_hello(hello, self.plan.me, link.owner)
-            await channel.send(HELLO, link.owner, hello, aux=self.plan.me)
+                channel = await self._open(link)
             if not self.plan.listening:  # a listener sends nothing, it waits for results
                 await self.gate.wait(deadline)  # every owner has the round: see ReadyGate
             codec, view = self.plan.codec, self.plan.view
@@ -252,3 +290,22 @@ class SenderSide:
                                         "disconnected")
         except TimeoutError as exc:
             link.fail(f"cannot stream to it: {exc!r}")
+
+    async def _open(self, link: OwnerLink) -> Channel:
+        """Our stream to `link`'s owner, its handshake done (or the link failed). An owner
+        that has no room for it yet (BUSY) is asked again."""
+        member = self.plan.group.members[link.owner]
+        retry = BUSY_RETRY
+        while True:
+            channel = await self.connect(member.data_endpoint, link)
+            self.channels.append(channel)
+            hello, pending = self.handshake.hello(self.plan.group, self.plan.me, link.owner)
+            link.opening(channel, self.handshake, pending)
+            await channel.send(HELLO, link.owner, hello, aux=self.plan.me)
+            await link.answered.wait()
+            if not link.busy:
+                return channel
+            channel.sink = None  # its close is no news to the link
+            channel.close()
+            await asyncio.sleep(retry)
+            retry = min(2 * retry, BUSY_RETRY_MAX)

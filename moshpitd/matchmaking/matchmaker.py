@@ -36,6 +36,7 @@ from moshpitd.matchmaking.errors import (
 )
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, not_looking
 from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
+from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.matchmaking.vetting import DeclarationBook, entries_fault, shape_fault
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
@@ -110,9 +111,10 @@ class Matchmaker:
         """When the latest follower joined us (the runner learns arrival spread from it)."""
         return self.leading.last_join
 
-    def handle_join(self, request: pb.JoinRequest) -> AsyncIterator[pb.JoinResponse]:
+    def handle_join(self, request: pb.JoinRequest, tls_binding: bytes = b""
+                    ) -> AsyncIterator[pb.JoinResponse]:
         """The server side of Join, routed here by key."""
-        return self.leading.handle_join(request)
+        return self.leading.handle_join(request, tls_binding)
 
     @property
     def declaration(self) -> Declaration:
@@ -303,6 +305,8 @@ class Matchmaker:
                 data_endpoint=self.me.data_endpoint, bandwidth=self.me.bandwidth,
                 codec=self.req.codec,
             )
+            if self.me.auth is not None:  # the leader takes only joins that prove our id
+                self.me.auth.sign_join(request, leader.peer_id)
             remaining = final - time.monotonic()
             if remaining <= 0:
                 return None
@@ -352,7 +356,9 @@ class Matchmaker:
             resp = first
         if resp.code == pb.GROUP_ASSEMBLED:
             group = Group.from_proto(resp.group_info)
-            why = await self._vet(group)
+            why = PeerAuth.check_group(resp.group_info, group, leader.peer_id)
+            if why is None:  # signed by the leader we asked: then vet what it says
+                why = await self._vet(group)
             if why is not None:
                 log.warning("%s: left the group %s that %s led: %s", self.req.key,
                             group.group_id.hex()[:8], leader.peer_id.hex()[:8], why)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from moshpitd.matchmaking.signing import PeerAuth
+
 
 @dataclass(frozen=True)
 class MatchRequest:
@@ -53,6 +55,7 @@ class Self:
     endpoint: str
     data_endpoint: str = ""
     bandwidth: float = 1.0
+    auth: PeerAuth | None = None  # signs our joins and groups; a leader without one takes none
 
 
 # The settle time's bounds. It is learnt (SettlePolicy), but within these, which are latencies

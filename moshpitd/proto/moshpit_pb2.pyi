@@ -21,6 +21,7 @@ class JoinCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DISBANDED: _ClassVar[JoinCode]
     BAD_REQUEST: _ClassVar[JoinCode]
     PROTOCOL_MISMATCH: _ClassVar[JoinCode]
+    UNAUTHENTICATED: _ClassVar[JoinCode]
 JOIN_CODE_UNSPECIFIED: JoinCode
 ACCEPTED: JoinCode
 GROUP_ASSEMBLED: JoinCode
@@ -33,9 +34,10 @@ BAD_SCHEMA: JoinCode
 DISBANDED: JoinCode
 BAD_REQUEST: JoinCode
 PROTOCOL_MISMATCH: JoinCode
+UNAUTHENTICATED: JoinCode
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group_key", "peer_id", "endpoint", "schema_hash", "weight", "client_mode", "protocol_version", "data_endpoint", "bandwidth", "codec")
+    __slots__ = ("group_key", "peer_id", "endpoint", "schema_hash", "weight", "client_mode", "protocol_version", "data_endpoint", "bandwidth", "codec", "public_key", "timestamp_ms", "nonce", "signature")
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,10 @@ class JoinRequest(_message.Message):
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     group_key: str
     peer_id: bytes
     endpoint: str
@@ -56,7 +62,11 @@ class JoinRequest(_message.Message):
     data_endpoint: str
     bandwidth: float
     codec: str
-    def __init__(self, group_key: _Optional[str] = ..., peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., bandwidth: _Optional[float] = ..., codec: _Optional[str] = ...) -> None: ...
+    public_key: bytes
+    timestamp_ms: int
+    nonce: bytes
+    signature: bytes
+    def __init__(self, group_key: _Optional[str] = ..., peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., bandwidth: _Optional[float] = ..., codec: _Optional[str] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("code", "message", "suggested_leader", "suggested_leader_id", "group_info")
@@ -89,20 +99,24 @@ class Member(_message.Message):
     def __init__(self, peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., bandwidth: _Optional[float] = ..., data_endpoint: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("group_id", "group_key", "round", "schema_hash", "members", "codec")
+    __slots__ = ("group_id", "group_key", "round", "schema_hash", "members", "codec", "leader_public_key", "signature")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     group_key: str
     round: int
     schema_hash: bytes
     members: _containers.RepeatedCompositeFieldContainer[Member]
     codec: str
-    def __init__(self, group_id: _Optional[bytes] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., schema_hash: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., codec: _Optional[str] = ...) -> None: ...
+    leader_public_key: bytes
+    signature: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., schema_hash: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., codec: _Optional[str] = ..., leader_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("key", "offset", "length", "version")

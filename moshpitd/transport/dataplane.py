@@ -11,10 +11,14 @@ Frame: 24-byte header (kind u8, flags u8, reserved u16, part u32, length u64, au
 little-endian), then `length` payload bytes. `aux` is the sender index in HELLO, the
 contributors bitmask in RESULT, and in ABORT a reason code (BAD_VALUES: the frame's part was
 refused as data, e.g. NaN/Inf, so its sender can check its own values and tell its trainer;
-LEFT: the member leaves the round, so neither its parts nor its results will come).
-A stream opens with the sender's HELLO; the owner answers READY (empty) once the stream is
-attached to its round, and the sender streams its parts once every owner is READY
-(allreduce/sender.py, ReadyGate).
+LEFT: the member leaves the round, so neither its parts nor its results will come; BUSY: the
+owner does not know the HELLO's group yet and has no room for another such stream, so the
+sender tries again).
+A stream opens with the sender's signed HELLO; the owner answers with its signed READY once
+the stream is attached to its round (transport/handshake.py), and the sender streams its parts
+once every owner is READY (allreduce/sender.py, ReadyGate). From then on, when the daemons
+encrypt, every frame in both directions is sealed (transport/framecrypt.py): `length` counts
+the payload's ciphertext and its tag, and the header is authenticated with it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, cast
 
+from moshpitd.transport.framecrypt import TAG, FrameCipher, TamperedFrame
+
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<BBHIQQ")
@@ -36,6 +42,12 @@ KINDS = {HELLO, PART, RESULT, ABORT, READY}
 MAX_CONTROL_PAYLOAD = 4096
 BAD_VALUES = 1  # ABORT's aux: the part named in the frame was refused as data
 LEFT = 2  # ABORT's aux: the member that sent it left the round
+BUSY = 3  # ABORT's aux: no room here for a stream of an unknown group now: open it again
+FRAME_SLACK = HEADER.size + TAG  # room a sink's buffer gives past a data frame's payload
+
+__all__ = ["ABORT", "BAD_VALUES", "BUSY", "FRAME_SLACK", "HEADER", "HELLO", "LEFT", "PART",
+           "READY", "RESULT", "Channel", "DataPlaneError", "FrameSink", "TamperedFrame",
+           "connect", "flush_aborts", "serve", "split_endpoint"]
 
 
 class DataPlaneError(Exception):
@@ -44,9 +56,9 @@ class DataPlaneError(Exception):
 
 class FrameSink(Protocol):
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        """Where the payload goes (`length` bytes, and up to HEADER.size more that the next
-        header may land in), or None for a fresh buffer of exactly `length`. Give room only
-        where the next frame goes to this same sink: a header that came along is parsed as
+        """Where the payload goes (`length` bytes, and up to FRAME_SLACK more: a sealed frame's
+        tag, and the next header, which may land there), or None for a fresh buffer. Give room
+        only where the next frame goes to this same sink: a header that came along is parsed as
         soon as on_frame returns, even if on_frame paused reading (as the HELLO handler does
         before it hands the stream to a round). Raise DataPlaneError to refuse the frame."""
 
@@ -68,7 +80,11 @@ class Channel(asyncio.BufferedProtocol):
         self._target = memoryview(self._hdr)
         self._filled = 0
         self._want = HEADER.size  # bytes of _target that complete what we read
-        self._frame: tuple[int, int, int, int] | None = None  # kind, part, length, aux
+        self._frame: tuple[int, int, int, int, int] | None = None  # kind, part, plain, aux,
+        # and wire length
+        self.cipher: FrameCipher | None = None  # set once the handshake is done: frames sealed
+        self._aad = b""  # a sealed frame's header, which its tag authenticates
+        self.failure: BaseException | None = None  # why we aborted: the sink hears it on close
         self._can_write = asyncio.Event()
         self._can_write.set()
         loop = asyncio.get_running_loop()
@@ -115,11 +131,17 @@ class Channel(asyncio.BufferedProtocol):
         kind, _flags, _reserved, part, length, aux = HEADER.unpack(self._hdr)
         if kind not in KINDS:
             raise DataPlaneError(f"unknown frame kind {kind}")
+        plain = length
+        if self.cipher is not None:
+            plain -= TAG
+            if plain < 0:
+                raise TamperedFrame(f"sealed frame of {length} bytes, shorter than its tag")
+            self._aad = bytes(self._hdr)
         limit = self.max_payload if kind in (PART, RESULT) else MAX_CONTROL_PAYLOAD
-        if length > limit:
-            raise DataPlaneError(f"frame of {length} bytes exceeds {limit}")
-        self._frame = (kind, part, length, aux)
-        dest = (self.sink.buffer_for(kind, part, length, aux) if self.sink is not None
+        if plain > limit:
+            raise DataPlaneError(f"frame of {plain} bytes exceeds {limit}")
+        self._frame = (kind, part, plain, aux, length)
+        dest = (self.sink.buffer_for(kind, part, plain, aux) if self.sink is not None
                 else None)
         if dest is None:
             dest = memoryview(bytearray(length))
@@ -133,13 +155,15 @@ class Channel(asyncio.BufferedProtocol):
 
     def _payload_done(self) -> None:
         assert self._frame is not None
-        kind, part, length, aux = self._frame
+        kind, part, _plain, aux, length = self._frame
         payload = self._target[:length]
         spill = self._filled - length  # bytes of the next header that came along
         self._frame = None
         if spill:
             self._hdr[:spill] = self._target[length:self._filled]
         self._target, self._filled, self._want = memoryview(self._hdr), spill, HEADER.size
+        if self.cipher is not None:  # an altered frame never reaches the sink
+            payload = self.cipher.open_in_place(self._aad, payload)
         if self.sink is not None:
             self.sink.on_frame(kind, part, payload, aux)
         if spill == HEADER.size and not self.closed.done():  # (on_frame may have aborted)
@@ -153,7 +177,7 @@ class Channel(asyncio.BufferedProtocol):
             self.closed.set_result(exc)
         if self.sink is not None:
             sink, self.sink = self.sink, None
-            sink.on_close(exc)
+            sink.on_close(exc if exc is not None else self.failure)
 
     def pause_writing(self) -> None:
         self._can_write.clear()
@@ -170,8 +194,18 @@ class Channel(asyncio.BufferedProtocol):
         if self.transport is None or self.transport.is_closing():
             raise DataPlaneError("connection closed")
         length = sum(len(p) for p in payload)
-        self.transport.writelines((HEADER.pack(kind, 0, 0, part, length, aux), *payload))
-        self.bytes_out += HEADER.size + length
+        if self.cipher is None:
+            self.transport.writelines((HEADER.pack(kind, 0, 0, part, length, aux), *payload))
+            self.bytes_out += HEADER.size + length
+        else:  # sealed into a buffer that is reused once its bytes have left
+            header = HEADER.pack(kind, 0, 0, part, length + TAG, aux)
+            released = self.bytes_out - self.transport.get_write_buffer_size()
+            buf = self.cipher.buffers.take(length + TAG, released)
+            sealed = memoryview(buf)[:length + TAG]
+            self.cipher.seal_into(header, payload, sealed)
+            self.transport.writelines((header, sealed))
+            self.bytes_out += HEADER.size + length + TAG
+            self.cipher.buffers.hold(buf, self.bytes_out)
         if not self.first_out:
             self.first_out = time.monotonic()
         if not self._can_write.is_set():
@@ -188,7 +222,13 @@ class Channel(asyncio.BufferedProtocol):
 
     def send_nowait(self, kind: int, part: int, payload: bytes = b"", aux: int = 0) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(HEADER.pack(kind, 0, 0, part, len(payload), aux) + payload)
+            if self.cipher is None:
+                frame = HEADER.pack(kind, 0, 0, part, len(payload), aux) + payload
+            else:
+                header = HEADER.pack(kind, 0, 0, part, len(payload) + TAG, aux)
+                frame = header + self.cipher.seal(header, payload)
+            self.transport.write(frame)
+            self.bytes_out += len(frame)
 
     def abort(self, exc: BaseException | str, part: int = 0, code: int = 0) -> None:
         """Tell the peer why (best effort) and drop the connection."""
@@ -196,6 +236,8 @@ class Channel(asyncio.BufferedProtocol):
         log.debug("data channel aborted: %s", message.decode(errors="replace"))
         self.send_nowait(ABORT, part, message, aux=code)
         self.aborted = True
+        if self.failure is None:
+            self.failure = exc if isinstance(exc, BaseException) else DataPlaneError(exc)
         if self.transport is not None:
             self.transport.close()
         if not self.closed.done():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from cryptography import x509
 from google.protobuf.message import Message
 
 from moshpitd.auth import AuthError, ReplayCache, SwarmKey
@@ -41,8 +42,12 @@ class TLSFiles:
             if b"-----BEGIN" not in data:
                 raise ValueError(f"TLS {what} {path} is not PEM")
             return data
-        return cls(read(cert, "certificate"), read(key, "key"), read(ca, "CA bundle"),
-                   server_name)
+        pem = read(cert, "certificate")
+        try:  # the peer key signs its digest in every join (matchmaking/signing.py)
+            x509.load_pem_x509_certificate(pem)
+        except ValueError as exc:
+            raise ValueError(f"TLS certificate {cert} cannot be read: {exc}") from None
+        return cls(pem, read(key, "key"), read(ca, "CA bundle"), server_name)
 
 
 class Security:

@@ -15,7 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moshpit
+from moshpitd.identity import PeerKey
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION
+from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
 from tests.fuzz.strategies import U64, endpoints, floats, texts
 from tests.fuzz.target import (
@@ -104,6 +106,17 @@ class GrpcCase:
     method: str
     request: pb.JoinRequest | dict[str, Any] | None  # a StateRequest's fields; None: raw bytes
     raw: bytes = b""
+    signer: int | None = None  # a Join signed (when the case runs) by FUZZ_KEYS[signer]
+
+
+# Joins must prove their peer id: these keys sign some cases, so that fuzzed joins still reach
+# the leader's group (and become members with broken endpoints), not only its refusals.
+FUZZ_KEYS = [PeerKey.generate() for _ in range(3)]
+
+
+def as_signer(request: pb.JoinRequest, signer: int) -> GrpcCase:
+    request.peer_id = FUZZ_KEYS[signer].peer_id
+    return GrpcCase(JOIN, request, signer=signer)
 
 
 def raw_case(method: str, msgs: st.SearchStrategy[Any]) -> st.SearchStrategy[GrpcCase]:
@@ -116,7 +129,7 @@ def raw_case(method: str, msgs: st.SearchStrategy[Any]) -> st.SearchStrategy[Grp
 
 grpc_cases = st.one_of(
     st.builds(lambda r: GrpcCase(JOIN, r), join_requests()),
-    st.builds(lambda r: GrpcCase(JOIN, r), join_requests()),
+    st.builds(as_signer, join_requests(), st.integers(0, len(FUZZ_KEYS) - 1)),
     st.builds(lambda r: GrpcCase(DOWNLOAD_STATE, r), state_requests),
     st.builds(lambda r: GrpcCase(DOWNLOAD_STATE, r), state_requests),
     raw_case(JOIN, join_requests()),
@@ -171,13 +184,19 @@ class Lure:
         self.client.close()
 
 
-def run_grpc_case(channel: grpc.Channel, case: GrpcCase, state_version: int) -> str:
-    """Send one request, read at most two responses; returns what came back."""
+def run_grpc_case(channel: grpc.Channel, case: GrpcCase, state_version: int,
+                  leader: bytes = b"") -> str:
+    """Send one request, read at most two responses; returns what came back. `leader`: the
+    peer id signed joins are meant for."""
     request: pb.JoinRequest | pb.StateRequest | None = None
     if isinstance(case.request, dict):
         request = state_request(case.request, state_version)
     elif case.request is not None:
         request = case.request
+        if case.signer is not None:  # a fresh signature (and nonce) each time it runs
+            request = PeerAuth(FUZZ_KEYS[case.signer]).sign_join(pb.JoinRequest(
+                **{f.name: getattr(case.request, f.name) for f in
+                   pb.JoinRequest.DESCRIPTOR.fields}), leader)
     body = case.raw if request is None else request.SerializeToString()
     if case.method == HEALTH_CHECK:
         call_unary = channel.unary_unary(case.method, request_serializer=None,
@@ -218,12 +237,14 @@ def run_grpc_case(channel: grpc.Channel, case: GrpcCase, state_version: int) -> 
 
 def test_fuzz_grpc(target: Target) -> None:
     state_version = target.state_version
+    leader = bytes.fromhex(target.daemon.info["peer_id"])
     with grpc.insecure_channel(target.daemon.info["grpc"]) as channel, \
             Lure(target.daemon.socket) as lure:
         @FUZZ
         @given(case=grpc_cases)
         def fuzz(case: GrpcCase) -> None:
-            target.stats[f"grpc {run_grpc_case(channel, case, state_version)}"] += 1
+            outcome = run_grpc_case(channel, case, state_version, leader)
+            target.stats[f"grpc {outcome}"] += 1
             target.after_case()
 
         fuzz()

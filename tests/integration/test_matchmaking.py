@@ -24,12 +24,14 @@ import torch
 import moshpit
 from moshpitd.allreduce.group import Group
 from moshpitd.dht.network import SubRecord
+from moshpitd.identity import PeerKey
 from moshpitd.launcher import DaemonProcess, LocalSwarm
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.errors import GroupNotFound
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION
 from moshpitd.matchmaking.matchmaker import Matchmaker
 from moshpitd.matchmaking.request import MatchRequest, Self
+from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.node import MoshpitNode
 from moshpitd.node_config import NodeConfig
 from moshpitd.proto import moshpit_pb2 as pb
@@ -66,7 +68,8 @@ def matchmaker(node: MoshpitNode, key: str = "k", *, weight: float = 1.0, target
     its deadline."""
     request = MatchRequest(key, SCHEMA, weight, target, min_size, attempt_seconds=attempt,
                            settle_seconds=settle)
-    mm = Matchmaker(Self(node.peer_id, node.grpc_endpoint, node.data_endpoint), node.dht,
+    mm = Matchmaker(Self(node.peer_id, node.grpc_endpoint, node.data_endpoint, auth=node.auth),
+                    node.dht,
                     node.pool, request, probe=node._probe)
     node.matchmakers[key] = mm
     return mm
@@ -106,22 +109,34 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
             await asyncio.sleep(0.01)
 
 
+PEERS = [PeerKey.generate() for _ in range(40)]  # pid(0..9), and 30 to pick from
+KEYS = {k.peer_id: k for k in PEERS}
+
+
 def pid(i: int) -> bytes:
-    return bytes([i]) * 20
+    return PEERS[i].peer_id
 
 
-def join_request(peer_id: bytes, key: str = "k", **fields: Any) -> pb.JoinRequest:
+def signed_join(peer_id: bytes, key: str = "k", *, leader: bytes = b"", **fields: Any
+                 ) -> pb.JoinRequest:
+    """A join as peer `peer_id`, signed with its key for `leader` where the test holds it."""
     base: dict[str, Any] = {
         "group_key": key, "peer_id": peer_id, "endpoint": "127.0.0.1:1",
         "data_endpoint": "127.0.0.1:2", "schema_hash": SCHEMA, "weight": 1.0,
         "bandwidth": 1.0, "protocol_version": PROTOCOL_VERSION, "codec": "none",
     }
-    return pb.JoinRequest(**{**base, **fields})
+    request = pb.JoinRequest(**{**base, **fields})
+    signer = KEYS.get(peer_id)
+    if signer is not None:
+        PeerAuth(signer).sign_join(request, leader)
+        if "signature" in fields:  # a forged one, beside the genuine key
+            request.signature = fields["signature"]
+    return request
 
 
 def declare(mm: Matchmaker, peer_id: bytes, **fields: Any) -> None:
     """What the made-up peer's own signed declaration would have told the leader's poll."""
-    r = join_request(peer_id, **fields)
+    r = signed_join(peer_id, **fields)
     decl = Declaration(r.endpoint, r.schema_hash, r.client_mode, r.data_endpoint, r.weight,
                        r.bandwidth)
     mm.book.absorb({peer_id: SubRecord(decl.pack(), 1, 10.0)})
@@ -134,6 +149,9 @@ def test_join_answers_every_code() -> None:
     async def scenario(nodes: list[MoshpitNode]) -> None:
         (node,) = nodes
         pool = ChannelPool()
+
+        def join_request(peer_id: bytes, key: str = "k", **fields: Any) -> pb.JoinRequest:
+            return signed_join(peer_id, key, leader=node.peer_id, **fields)
 
         async def answer(request: pb.JoinRequest) -> pb.JoinResponse:
             call = pool.join(node.grpc_endpoint, request, timeout=5)
@@ -172,6 +190,8 @@ def test_join_answers_every_code() -> None:
                 ({"schema_hash": b"\x00" * 32}, pb.BAD_SCHEMA),
                 ({"codec": "fp16"}, pb.BAD_SCHEMA),
                 ({"peer_id": node.peer_id}, pb.DUPLICATE_PEER),  # the leader itself
+                ({"peer_id": b"\x07" * 20}, pb.UNAUTHENTICATED),  # no key of ours: unsigned
+                ({"weight": 5.0, "signature": b"\x00" * 64}, pb.UNAUTHENTICATED),
             ]
             for fields, code in refusals:
                 got = await answer(join_request(**{"peer_id": pid(1), **fields}))
@@ -179,7 +199,9 @@ def test_join_answers_every_code() -> None:
             assert not mm.leading.followers  # nothing refused was taken in
             # a joiner must be as it declared itself, signed, under the key (it did not
             # declare at all; it declared another weight; its weight is 1e13 times the rest)
-            low, high = b"\x00" * 20, b"\xff" * 20
+            spare = [k.peer_id for k in PEERS[10:]]  # joiners whose keys the test holds
+            low = next(p for p in spare if p < node.peer_id)
+            high = next(p for p in spare if p > node.peer_id)
             declare(mm, high, weight=3.0)
             declare(mm, pid(2), weight=4.0)
             declare(mm, pid(4), weight=2e13)

@@ -33,6 +33,7 @@ from moshpitd.ipc.schema import MAX_BUFFERS
 from moshpitd.launcher import DaemonProcess, LocalSwarm
 from moshpitd.matchmaking.declaration import Declaration
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION
+from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 from moshpitd.transport.security import Security
@@ -147,12 +148,14 @@ def ghost_declaration(schema: bytes) -> bytes:
     return Declaration("127.0.0.1:9", schema, data_endpoint="127.0.0.1:9").pack()
 
 
-def ghost_join(pool: ChannelPool, endpoint: str, key: str, ghost: bytes, schema: bytes) -> Any:
-    """A Join as the ghost declared itself: endpoints where nothing listens."""
-    return pool.join(endpoint, pb.JoinRequest(
-        group_key=key, peer_id=ghost, endpoint="127.0.0.1:9", schema_hash=schema, weight=1.0,
-        protocol_version=PROTOCOL_VERSION, data_endpoint="127.0.0.1:9", bandwidth=1.0,
-        codec="none"), timeout=30)
+def ghost_join(pool: ChannelPool, endpoint: str, key: str, ghost: PeerKey, schema: bytes,
+               leader: bytes) -> Any:
+    """A Join as the ghost declared itself (endpoints where nothing listens), signed by its
+    own key for `leader`: the identity is the ghost's, only its endpoints are empty."""
+    return pool.join(endpoint, PeerAuth(ghost).sign_join(pb.JoinRequest(
+        group_key=key, peer_id=ghost.peer_id, endpoint="127.0.0.1:9", schema_hash=schema,
+        weight=1.0, protocol_version=PROTOCOL_VERSION, data_endpoint="127.0.0.1:9",
+        bandwidth=1.0, codec="none"), leader), timeout=30)
 
 
 def test_a_join_flood_is_bounded(swarm: Swarm) -> None:
@@ -193,19 +196,19 @@ def test_a_join_flood_is_bounded(swarm: Swarm) -> None:
 
     async def flood() -> list[pb.JoinResponse]:
         pool = ChannelPool(security=Security(key))
-        endpoint = leader.info["grpc"]
+        endpoint, lead = leader.info["grpc"], bytes.fromhex(leader.info["peer_id"])
         held = []
         try:
             for _ in range(10):  # made-up peer ids, nothing declared
-                call = ghost_join(pool, endpoint, round_key, PeerKey.generate().peer_id, schema)
+                call = ghost_join(pool, endpoint, round_key, PeerKey.generate(), schema, lead)
                 answer = await call.read()
                 assert answer.code == pb.BAD_REQUEST, answer
                 assert "no signed declaration" in answer.message, answer
             for g in ghosts[:2]:
-                held.append(ghost_join(pool, endpoint, hold_key, g.peer_id, schema))
+                held.append(ghost_join(pool, endpoint, hold_key, g, schema, lead))
                 assert (await held[-1].read()).code == pb.ACCEPTED
-            return [await ghost_join(pool, endpoint, hold_key, peer, schema).read()
-                    for peer in (ghosts[2].peer_id, ghosts[0].peer_id)]
+            return [await ghost_join(pool, endpoint, hold_key, peer, schema, lead).read()
+                    for peer in (ghosts[2], ghosts[0])]
         finally:
             for call in held:
                 call.cancel()

@@ -10,19 +10,29 @@ from collections.abc import AsyncIterator
 import pytest
 
 from moshpitd.allreduce.group import Group
+from moshpitd.identity import PeerKey
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader
 from moshpitd.matchmaking.request import MatchRequest, Self
+from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
 
 SCHEMA = b"\x5a" * 32
-ME = Self(b"\x10" * 20, "127.0.0.1:10", "127.0.0.1:11")
+KEY = PeerKey.generate()
+ME = Self(KEY.peer_id, "127.0.0.1:10", "127.0.0.1:11", auth=PeerAuth(KEY))
+PEERS = [PeerKey.generate() for _ in range(4)]
 
 
-def join(peer: int, weight: float = 1.0) -> pb.JoinRequest:
-    return pb.JoinRequest(group_key="k", peer_id=bytes([peer]) * 20, endpoint="127.0.0.1:1",
-                          data_endpoint="127.0.0.1:2", schema_hash=SCHEMA, weight=weight,
-                          bandwidth=1.0, protocol_version=PROTOCOL_VERSION, codec="none")
+def pid(peer: int) -> bytes:
+    return PEERS[peer].peer_id
+
+
+def join(peer: int, weight: float = 1.0, signer: PeerKey | None = None) -> pb.JoinRequest:
+    """Peer `peer`'s join, signed by its own key unless `signer` is given."""
+    request = pb.JoinRequest(group_key="k", peer_id=pid(peer), endpoint="127.0.0.1:1",
+                             data_endpoint="127.0.0.1:2", schema_hash=SCHEMA, weight=weight,
+                             bandwidth=1.0, protocol_version=PROTOCOL_VERSION, codec="none")
+    return PeerAuth(signer or PEERS[peer]).sign_join(request, ME.peer_id)
 
 
 def leader(joins: list[int], *, target: int = 4, client_mode: bool = False,
@@ -45,13 +55,16 @@ def test_joins_wake_the_owner_and_assembly_reaches_every_follower() -> None:
         calls = [side.handle_join(join(1, 3.0)), side.handle_join(join(2, 4.0))]
         for call in calls:
             await accepted(call)
-        assert len(woken) == 2 and side.members == {bytes([1]) * 20, bytes([2]) * 20}
+        assert len(woken) == 2 and side.members == {pid(1), pid(2)}
         assert side.last_join > 0
         group = side.assemble()
         assert not side.accepting and not side.followers
         for call in calls:
             done = await anext(call)
             assert done.code == pb.GROUP_ASSEMBLED and Group.from_proto(done.group_info) == group
+            # signed by the leader: a follower takes it from us, and only from us
+            assert PeerAuth.check_group(done.group_info, group, ME.peer_id) is None
+            assert PeerAuth.check_group(done.group_info, group, pid(3)) is not None
         assert [m.weight for m in group.members] == [2.0, 3.0, 4.0]
 
     asyncio.run(scenario())
@@ -90,3 +103,32 @@ def test_it_logs_under_its_own_name(caplog: pytest.LogCaptureFixture) -> None:
     leader([], weight=0.0).assemble()
     assert [(r.name, r.getMessage()) for r in caplog.records] == [
         ("moshpitd.matchmaking.leading", "group under k has zero total weight")]
+
+
+def test_a_join_must_prove_its_peer_id() -> None:
+    """Unsigned, signed by another key, altered after signing, signed for another leader, or
+    replayed: each refused as UNAUTHENTICATED, and nobody joins."""
+    async def scenario() -> None:
+        side = leader([])
+        side.open()
+        assert ME.auth is not None
+        refused = ME.auth.refused
+        unsigned = join(1)
+        unsigned.ClearField("signature")
+        altered = join(1)
+        altered.weight = 100.0
+        elsewhere = pb.JoinRequest()
+        elsewhere.CopyFrom(join(1))
+        PeerAuth(PEERS[1]).sign_join(elsewhere, pid(3))  # for leader 3, not us
+        for request in (unsigned, join(1, signer=PEERS[2]), altered, elsewhere):
+            answer = await anext(side.handle_join(request))
+            assert answer.code == pb.UNAUTHENTICATED, (answer.code, answer.message)
+        assert not side.followers and ME.auth.refused == refused + 4
+        genuine = join(1)
+        call = side.handle_join(genuine)
+        await accepted(call)
+        side.followers.clear()  # it left; the same signed request again is a replay
+        replayed = await anext(side.handle_join(genuine))
+        assert replayed.code == pb.UNAUTHENTICATED and "replay" in replayed.message
+
+    asyncio.run(scenario())

@@ -22,14 +22,15 @@ N = 100_000
 
 def weighted_group(ms: list[Member], weights: list[float], codec: str = "none") -> Group:
     return Group(b"L" * 16, "k", 0, b"s" * 16,
-                 tuple(GroupMember(bytes([i + 1]) * 20, "", w, data_endpoint=m.endpoint)
-                       for i, (m, w) in enumerate(zip(ms, weights, strict=True))), codec)
+                 tuple(GroupMember(m.registry.handshake.key.peer_id, "", w,
+                                   data_endpoint=m.endpoint)
+                       for m, w in zip(ms, weights, strict=True)), codec)
 
 
 def round_for(group: Group, i: int, m: Member, aggregation: str = "mean") -> ButterflyRound:
     view = FlatView(memoryview(m.values).cast("B"), [TensorSpec("float32", m.values.shape, 0)])
     return ButterflyRound(group, i, view, get_codec(group.codec), m.registry.connect,
-                          PART_BYTES, aggregation=aggregation)
+                          m.registry.handshake, PART_BYTES, aggregation=aggregation)
 
 
 async def run_group(weights: list[float], aggregation: str = "mean", absent: int | None = None

@@ -19,6 +19,7 @@ from moshpitd.allreduce.layout import FlatView, TensorSpec
 from moshpitd.allreduce.registry import RoundRegistry
 from moshpitd.clock import RoundClock
 from moshpitd.hooks import NO_HOOKS, Hooks
+from moshpitd.transport.handshake import Handshake
 
 PART_BYTES = 64 << 10
 
@@ -30,11 +31,12 @@ class Member:
     values: np.ndarray
 
 
-async def members(n: int, elems: int, seed: int = 0) -> list[Member]:
+async def members(n: int, elems: int, seed: int = 0, encrypt: bool = False) -> list[Member]:
+    """Members with a peer key each (their streams prove it), encrypting or not."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        reg = RoundRegistry(PART_BYTES * 2 + 4096, stream_wait=2.0)
+        reg = RoundRegistry(PART_BYTES * 2 + 4096, Handshake(encrypt=encrypt), stream_wait=2.0)
         port = await reg.start("127.0.0.1", 0)
         out.append(Member(reg, f"127.0.0.1:{port}", rng.standard_normal(elems)
                           .astype(np.float32)))
@@ -45,15 +47,16 @@ def round_of(group: Group, i: int, m: Member, codec: str, hooks: Hooks = NO_HOOK
              ) -> ButterflyRound:
     buf = memoryview(m.values).cast("B")
     view = FlatView(buf, [TensorSpec("float32", m.values.shape, 0)])
-    return ButterflyRound(group, i, view, get_codec(codec), m.registry.connect, PART_BYTES,
-                          hooks)
+    return ButterflyRound(group, i, view, get_codec(codec), m.registry.connect,
+                          m.registry.handshake, PART_BYTES, hooks)
 
 
-def group_of(ms: list[Member], codec: str, endpoints: list[str] | None = None) -> Group:
-    eps = endpoints or [m.endpoint for m in ms]
+def group_of(ms: list[Member], codec: str, extra: list[Member] | None = None) -> Group:
+    """The members (then `extra`, listed but not running), each under its own peer id."""
+    listed = ms + (extra or [])
     return Group(b"G" * 16, "k", 0, b"s" * 16,
-                 tuple(GroupMember(bytes([i]) * 20, "", 1.0, data_endpoint=e)
-                       for i, e in enumerate(eps)), codec)
+                 tuple(GroupMember(m.registry.handshake.key.peer_id, "", 1.0,
+                                   data_endpoint=m.endpoint) for m in listed), codec)
 
 
 async def run_all(rounds: list[ButterflyRound], make: list[RoundDeadlines]
@@ -74,10 +77,11 @@ async def stop(ms: list[Member]) -> None:
             await m.registry.server.wait_closed()
 
 
-@pytest.mark.parametrize("codec", ["none", "int8"])
-def test_members_agree_on_the_mean(codec: str) -> None:
+@pytest.mark.parametrize(("codec", "encrypt"), [("none", False), ("none", True),
+                                               ("int8", True)])
+def test_members_agree_on_the_mean(codec: str, encrypt: bool) -> None:
     async def scenario() -> tuple[list[RoundResult | BaseException], np.ndarray, list[Member]]:
-        ms = await members(4, 100_000)
+        ms = await members(4, 100_000, encrypt=encrypt)
         mean = np.mean([m.values.astype(np.float64) for m in ms], axis=0)
         group = group_of(ms, codec)
         rounds = [round_of(group, i, m, codec) for i, m in enumerate(ms)]
@@ -104,7 +108,7 @@ def test_dead_member_is_excluded_at_once() -> None:
         ms = await members(3, 50_000)
         dead = ms.pop()
         await stop([dead])  # its port now refuses connections
-        group = group_of(ms, "none", [m.endpoint for m in ms] + [dead.endpoint])
+        group = group_of(ms, "none", [dead])
         rounds = [round_of(group, i, m, "none") for i, m in enumerate(ms)]
         for r, m in zip(rounds, ms, strict=True):
             m.registry.register(r)

@@ -1,0 +1,131 @@
+"""Who a Join and a GroupInfo come from: signatures by the peer key (moshpitd/identity.py).
+
+A JoinRequest names its sender's peer id. A leader takes it only if it carries the public key
+whose hash is that id, and that key's signature over every field of the request, the leader's
+own peer id, the time, a fresh nonce and, over TLS, the SHA-256 of the certificate the sender
+presented in the TLS handshake. So:
+
+- nobody can put a peer into a group without holding its key (phantom followers);
+- a join cannot be replayed to another leader, or to the same one later (the nonce is kept for
+  the time window);
+- over TLS, a join is taken only on a connection authenticated by the certificate the peer key
+  signed: the TLS identity and the peer identity are one party.
+
+The leader signs the group's digest (allreduce/group.py) once per group. A follower takes a
+GroupInfo only if the leader it asked signed it and is its first member. Every join is new
+(a nonce), so a join's signature is verified once and there is nothing to cache; a GroupInfo
+is verified once by each follower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any
+
+import msgpack
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from moshpitd.allreduce.group import Group
+from moshpitd.auth import WINDOW, AuthError, ReplayCache
+from moshpitd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, PeerKey, peer_id_of, verify
+from moshpitd.proto import moshpit_pb2 as pb
+
+JOIN_DOMAIN = b"moshpit/join/1\x00"
+GROUP_DOMAIN = b"moshpit/group-info/1\x00"
+NONCE_BYTES = 16
+_UNSIGNED = frozenset({"signature"})
+
+
+def cert_digest(pem: bytes) -> bytes:
+    """SHA-256 of a PEM certificate's DER encoding (the first one of a chain: the leaf a peer
+    presents in its TLS handshake)."""
+    return hashlib.sha256(x509.load_pem_x509_certificate(pem).public_bytes(Encoding.DER)).digest()
+
+
+def join_bytes(request: pb.JoinRequest, leader_id: bytes, tls: bytes) -> bytes:
+    """What a join's signature covers: every field of the request but the signature, in field
+    order (fields added to the message are covered without a change here)."""
+    values: list[Any] = [leader_id, tls]
+    for field in sorted(request.DESCRIPTOR.fields, key=lambda f: f.number):
+        if field.name not in _UNSIGNED:
+            values.append(getattr(request, field.name))
+    return JOIN_DOMAIN + msgpack.packb(values, use_bin_type=True)
+
+
+class PeerAuth:
+    """Our peer key at work in matchmaking: it signs our joins and the groups we lead, and
+    checks the joins we are sent. One per daemon: the nonces it keeps refuse a replayed join
+    whichever of our rounds it is sent to."""
+
+    def __init__(self, key: PeerKey, tls_cert: bytes | None = None,
+                 window: float = WINDOW) -> None:
+        self.key = key
+        self.tls_binding = cert_digest(tls_cert) if tls_cert else b""
+        self.window = window
+        self.replay = ReplayCache(window)
+        self.refused = 0  # joins that did not prove their peer id
+
+    # --- joins ---------------------------------------------------------------------------
+    def sign_join(self, request: pb.JoinRequest, leader_id: bytes) -> pb.JoinRequest:
+        request.public_key = self.key.public
+        request.timestamp_ms = int(time.time() * 1000)
+        request.nonce = os.urandom(NONCE_BYTES)
+        request.signature = self.key.sign(join_bytes(request, leader_id, self.tls_binding))
+        return request
+
+    def check_join(self, request: pb.JoinRequest, tls_binding: bytes = b"") -> str | None:
+        """Why a join does not prove that its sender holds its peer id's key, or None.
+        `tls_binding`: the digest of the certificate the sender presented (empty without TLS)."""
+        why = self._join_refusal(request, tls_binding)
+        if why is not None:
+            self.refused += 1
+        return why
+
+    def _join_refusal(self, request: pb.JoinRequest, tls_binding: bytes) -> str | None:
+        if (len(request.public_key) != PUBLIC_KEY_BYTES or len(request.nonce) != NONCE_BYTES
+                or len(request.signature) != SIGNATURE_BYTES):
+            return "the request carries no proof of its peer id (public key, nonce, signature)"
+        if peer_id_of(request.public_key) != request.peer_id:
+            return "its public key is not its peer id's"
+        now = time.time()
+        if abs(now - request.timestamp_ms / 1000.0) > self.window:
+            return (f"its timestamp is {now - request.timestamp_ms / 1000.0:+.1f} s off (window "
+                    f"{self.window:.0f} s): clocks out of sync, or a replay")
+        if not verify(request.public_key, request.signature,
+                      join_bytes(request, self.key.peer_id, tls_binding)):
+            return ("its signature does not verify (signed for another leader, altered, or "
+                    "sent over TLS with a certificate other than the one its peer key signed)")
+        try:
+            self.replay.check(request.nonce, request.timestamp_ms / 1000.0, now)
+        except AuthError as exc:
+            return str(exc)
+        return None
+
+    # --- groups --------------------------------------------------------------------------
+    def sign_group(self, info: pb.GroupInfo, group: Group) -> pb.GroupInfo:
+        info.leader_public_key = self.key.public
+        info.signature = self.key.sign(GROUP_DOMAIN + group.digest)
+        return info
+
+    @staticmethod
+    def check_group(info: pb.GroupInfo, group: Group, leader_id: bytes) -> str | None:
+        """Why a GroupInfo is not the one `leader_id` signed as its leader, or None."""
+        if not group.members or group.members[0].peer_id != leader_id:
+            return "its first member is not the leader we asked"
+        if peer_id_of(info.leader_public_key) != leader_id:
+            return "it is not signed with the key of the leader we asked"
+        if not verify(info.leader_public_key, info.signature, GROUP_DOMAIN + group.digest):
+            return "the leader's signature does not verify"
+        return None
+
+
+def tls_binding_of(auth_context: dict[str, list[bytes]]) -> bytes:
+    """The digest of the certificate a gRPC peer presented (empty without TLS)."""
+    pems = auth_context.get("x509_pem_cert") or []
+    try:
+        return cert_digest(pems[0]) if pems else b""
+    except ValueError:
+        return b"\x00"  # a certificate we cannot read binds to nothing a signature covers

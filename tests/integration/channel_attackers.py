@@ -1,0 +1,251 @@
+"""Attackers on the channels between daemons, for tests/integration/test_channel_attacks.py.
+
+Each holds the swarm key and peer keys of its own, and speaks the protocols with moshpitd's
+own building blocks (gRPC server and channel security, the data plane's handshake, a whole
+butterfly round as a member): only what an attacker decides differs from an honest daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+from grpc import aio
+
+from moshpitd.allreduce.butterfly import ButterflyRound, RoundResult
+from moshpitd.allreduce.codecs import get_codec
+from moshpitd.allreduce.deadlines import DeadlinePolicy
+from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.allreduce.layout import FlatView, TensorSpec
+from moshpitd.allreduce.registry import RoundRegistry
+from moshpitd.auth import SwarmKey
+from moshpitd.clock import RoundClock
+from moshpitd.hooks import NO_HOOKS
+from moshpitd.identity import PeerKey
+from moshpitd.matchmaking.declaration import Declaration
+from moshpitd.matchmaking.signing import PeerAuth
+from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.dataplane import HEADER, HELLO, PART
+from moshpitd.transport.grpc_server import AveragerServer
+from moshpitd.transport.handshake import Handshake
+from moshpitd.transport.security import Security
+
+T = TypeVar("T")
+MAX_PAYLOAD = (2 << 20) + 4096  # the daemons' default part_size * 2 + 4096
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LoopThread:
+    """An event loop of the attacker's own, in a thread; `run` waits for a coroutine there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Relay:
+    """TCP forwarding from `listen_host` to `target_host`, port for port: what an on-path
+    attacker sees. With `tamper` set, it flips one byte inside the first PART of the next data
+    stream it relays to the target, and records the sender index of that stream's HELLO."""
+
+    def __init__(self, loop: LoopThread, listen_host: str, target_host: str,
+                 ports: list[int], data_port: int, hello_length: int) -> None:
+        self.loop, self.data_port, self.hello_length = loop, data_port, hello_length
+        self.tamper = False
+        self.tampered_sender: int | None = None
+        self.servers = [loop.run(asyncio.start_server(
+            lambda r, w, p=port: self._relay(r, w, target_host, p), listen_host, port))
+            for port in ports]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     host: str, port: int) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, port)
+        except OSError:
+            writer.close()
+            return
+        flip = None
+        if port == self.data_port and self.tamper:  # a byte well inside the first PART
+            self.tamper, flip = False, HEADER.size + self.hello_length + HEADER.size + 100
+        await asyncio.gather(self._pump(reader, up_writer, flip), self._pump(up_reader, writer),
+                             return_exceptions=True)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    flip: int | None = None) -> None:
+        seen = 0
+        try:
+            while data := await reader.read(1 << 16):
+                if seen == 0 and flip is not None and data[0] == HELLO and len(data) >= 24:
+                    self.tampered_sender = int.from_bytes(data[16:24], "little")
+                if flip is not None and seen <= flip < seen + len(data):
+                    data = bytearray(data)
+                    data[flip - seen] ^= 0x01
+                seen += len(data)
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+
+def hello_flood(endpoint: str, swarm: SwarmKey, count: int) -> list[socket.socket]:
+    """`count` streams to a data plane, each opened by a valid sealed and signed HELLO (a key
+    holder with made-up identities) for a group nobody holds, kept open."""
+    host, port = endpoint.rsplit(":", 1)
+    keys = [PeerKey.generate(), PeerKey.generate()]
+    socks = []
+    for _ in range(count):
+        group = Group(os.urandom(16), "flood", 0, b"s" * 16,
+                      tuple(GroupMember(k.peer_id, "", 1.0) for k in keys))
+        wire, _ = Handshake(keys[0], swarm, encrypt=True).hello(group, 0, 1)
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(HEADER.pack(HELLO, 0, 0, 1, len(wire), 0) + wire)
+        socks.append(s)
+    return socks
+
+
+class FakeLeader:
+    """A key holder that leads a group under `key` with a declaration of its own. Once
+    `followers` joined, and before it hands out the GroupInfo, it opens streams to every honest
+    owner as every other member (signed with its own key, or claiming the member's public key)
+    and sends 1000.0 there; `released` waits until the owners hold those streams. Then it
+    averages 1000.0 as itself, an honest member with the weight of one."""
+
+    def __init__(self, loop: LoopThread, swarm: SwarmKey, key: str, schema: bytes,
+                 elems: int, followers: int) -> None:
+        self.loop, self.swarm, self.key, self.schema = loop, swarm, key, schema
+        self.peer = PeerKey.generate()
+        self.auth = PeerAuth(self.peer)
+        self.handshake = Handshake(self.peer, swarm, encrypt=True)
+        self.values = np.full(elems, 1000.0, dtype=np.float32)
+        self.followers = followers
+        self.joins: dict[bytes, pb.JoinRequest] = {}  # by peer id, in the order they came
+        self.assembling = False
+        self.impostors: list[socket.socket] = []
+        self.assembled: asyncio.Future[pb.GroupInfo] | None = None
+        self.release: asyncio.Event | None = None
+        self.round: asyncio.Future[RoundResult] | None = None
+        self.registry = RoundRegistry(MAX_PAYLOAD, self.handshake)
+        self.server = AveragerServer(self._join, self._state, security=Security(swarm))
+        self.grpc_endpoint, self.data_endpoint = loop.run(self._start())
+
+    async def _start(self) -> tuple[str, str]:
+        self.assembled = asyncio.get_running_loop().create_future()
+        self.release = asyncio.Event()
+        dport = await self.registry.start("127.0.0.1", 0)
+        gport = await self.server.start("127.0.0.1", 0)
+        return f"127.0.0.1:{gport}", f"127.0.0.1:{dport}"
+
+    async def _state(self, request: pb.StateRequest, context: aio.ServicerContext
+                     ) -> AsyncIterator[pb.StateChunk]:
+        return
+        yield
+
+    async def _join(self, request: pb.JoinRequest, context: aio.ServicerContext
+                    ) -> AsyncIterator[pb.JoinResponse]:
+        assert self.assembled is not None
+        if request.group_key != self.key or (request.peer_id not in self.joins
+                                             and len(self.joins) >= self.followers):
+            yield pb.JoinResponse(code=pb.NOT_LOOKING)
+            return
+        self.joins[request.peer_id] = request  # (a follower that asks again: its latest)
+        last = len(self.joins) == self.followers and not self.assembling
+        self.assembling |= last
+        yield pb.JoinResponse(code=pb.ACCEPTED)
+        if last:
+            await self._assemble()
+        info = await self.assembled
+        yield pb.JoinResponse(code=pb.GROUP_ASSEMBLED, group_info=info)
+
+    async def _assemble(self) -> None:
+        assert self.assembled is not None and self.release is not None
+        me = GroupMember(self.peer.peer_id, self.grpc_endpoint, 1.0, False, 1.0,
+                         self.data_endpoint)
+        group = Group(os.urandom(16), self.key, 0, self.schema, (me, *(
+            GroupMember(r.peer_id, r.endpoint, r.weight, r.client_mode, r.bandwidth,
+                        r.data_endpoint) for r in self.joins.values())), "none")
+        await asyncio.to_thread(self._impersonate, group)
+        await self.release.wait()  # the GroupInfo held back until the owners hold the streams
+        view = FlatView(memoryview(self.values).cast("B"),
+                        [TensorSpec("float32", self.values.shape, 0)])
+        rnd = ButterflyRound(group, 0, view, get_codec("none"), self.registry.connect,
+                             self.handshake, hooks=NO_HOOKS, aggregation="trimmed_mean")
+        self.registry.register(rnd)
+        deadlines = RoundClock(20.0, 5.0, DeadlinePolicy()).allreduce(rnd.plan.wire_bytes())
+        self.round = asyncio.ensure_future(rnd.run(deadlines))
+        self.assembled.set_result(self.auth.sign_group(group.to_proto(), group))
+
+    def _impersonate(self, group: Group) -> None:
+        """Streams to each honest owner as each other honest member: a HELLO signed by our key
+        naming us as that member, and one that carries the member's own public key (from its
+        join) but our signature; then a part of 1000.0 in the clear."""
+        part = np.full(1024, 1000.0, dtype=np.float32).tobytes()
+        for owner in range(1, len(group.members)):
+            host, port = group.members[owner].data_endpoint.rsplit(":", 1)
+            for sender in range(1, len(group.members)):
+                if sender == owner:
+                    continue
+                claimed = Handshake(self.peer, self.swarm, encrypt=True)
+                wire, _ = claimed.hello(group, sender, owner)
+                if sender % 2:  # the victim's public key, our signature
+                    inner = bytearray(self.swarm.open(b"data", _ctx(sender, owner), wire))
+                    inner[18:50] = list(self.joins.values())[sender - 1].public_key
+                    wire = self.swarm.seal(b"data", _ctx(sender, owner), bytes(inner))
+                s = socket.create_connection((host, int(port)), timeout=5)
+                s.sendall(HEADER.pack(HELLO, 0, 0, owner, len(wire), sender) + wire
+                          + HEADER.pack(PART, 0, 0, 0, len(part), 0) + part)
+                self.impostors.append(s)
+
+    def outcome(self) -> RoundResult:
+        """Our own round's result, once it is over."""
+        async def wait() -> RoundResult:
+            while self.round is None:
+                await asyncio.sleep(0.01)
+            return await self.round
+        return self.loop.run(wait())
+
+    def hand_out_group(self) -> None:
+        assert self.release is not None
+        self.loop.loop.call_soon_threadsafe(self.release.set)
+
+    def declaration(self) -> Declaration:
+        """Its entry in the group it leads, as followers check it."""
+        return Declaration(self.grpc_endpoint, self.schema, data_endpoint=self.data_endpoint)
+
+    def declare_at(self) -> int:
+        """A declaration's version ten seconds in the past: it ranks before the honest peers'
+        (declarations are dated within their lifetime of the reader's clock)."""
+        return time.time_ns() - 10 * 10**9
+
+    def close(self) -> None:
+        for s in self.impostors:
+            s.close()
+        self.loop.run(self.registry.stop())
+        self.loop.run(self.server.stop(0))
+
+
+def _ctx(sender: int, receiver: int) -> bytes:
+    return b"hello" + sender.to_bytes(4, "big") + receiver.to_bytes(4, "big")
+
