@@ -288,10 +288,14 @@ def test_host_cut_off_for_10s_rejoins(net: Net) -> None:
             timeline()
         assert not failures, failures
         during = [a for a in attempts if t_cut + 1 < a.start and a.end < t_up]
+        three = set(range(HOSTS - 1))
         for i in range(HOSTS - 1):
             mine = [a for a in during if a.peer == i and a.group_size > 0]
             assert mine, f"peer {i + 1} completed no round while host 4 was cut off"
-            assert all(a.group_size == HOSTS - 1 and a.members == {0, 1, 2} for a in mine), mine
+            # a member whose part came past the deadline (a loaded machine) leaves a mean over
+            # fewer, which check_result verified; host 4 is in none of them
+            assert all(a.group_size == HOSTS - 1 and i in a.members <= three for a in mine), mine
+        assert any(a.members == three for a in during), "no round over all three survivors"
         assert not [a for a in during if a.peer == victim and a.group_size > 1], \
             "host 4 averaged with others while cut off"
         victim_back = min((a for a in ok() if a.peer == victim and a.start >= t_up),
