@@ -26,10 +26,13 @@ Knobs per row (spec.knobs overrides each):
 - `publish_steps` = 10: besides after every outer step (moshpit's default), each host
   publishes its state every 10 steps, so a host that comes back resumes at most about 10
   steps behind the swarm's step count (the outer steps' schedule) instead of up to H.
-- Before the clock starts, each host makes one round of a single float under each fragment's
-  grid key (`join_runs`): a grid run waits only for the line-mates it knows, and a daemon is
-  known from its first call, which DiLoCo makes H steps in. Without it, hosts whose step
-  counts drifted apart by a few seconds found nobody expecting them at the first sync.
+- Before the clock starts, the hosts wait for each other (one round of every host under a
+  plain key), then make one round of a single float under each fragment's grid key
+  (`join_runs`): a grid run waits only for the line-mates it knows, and a daemon is known
+  from its first call, which DiLoCo makes H steps in. Without it, hosts whose step counts
+  drifted apart by a few seconds found nobody expecting them at the first sync; without the
+  wait, hosts that finished starting 20 s apart began the runs a round apart and averaged in
+  two pairs for the whole run.
 - A host that comes back downloads the global copy and the outer optimizer's state
   (`load_state_from_peers`) before its first step, as docs/diloco.md says a joiner should.
 - No state is published while a round is in flight: the client serves one call at a time,
@@ -62,7 +65,7 @@ ROWS: dict[str, dict[str, Any]] = {
 }
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 PUBLISH_STEPS = 10
-JOIN_TIMEOUT_S = 10.0
+JOIN_TIMEOUT_S = 120.0  # the hosts finish starting within this (startup is not timed)
 
 
 def knobs(spec: WorkerSpec) -> dict[str, Any]:
@@ -96,9 +99,9 @@ def run(spec: WorkerSpec, events: Events) -> None:
         except moshpit.MoshpitError as exc:  # train on from the initial model
             events.emit("rejoined", step=0, seconds=time.perf_counter() - t0,
                         error=f"{type(exc).__name__}: {exc}"[:200])
-    else:  # (a host that comes back is in the runs already: its peer key is kept)
+    elif row.get("join_runs", True):  # a host that comes back is known: it keeps its key
         join_runs(client, [loop.key_of(p) for p in range(loop.config.fragments)],
-                  (int(grid[0]), int(grid[1])), cell)
+                  (int(grid[0]), int(grid[1])), cell, spec.hosts)
     publish_steps = int(row.get("publish_steps", PUBLISH_STEPS))
     trainer.wait_for_start()
     while trainer.time_left() > 0:
@@ -125,15 +128,21 @@ def run(spec: WorkerSpec, events: Events) -> None:
 
 
 def join_runs(client: moshpit.Client, keys: list[str], grid: tuple[int, int],
-              cell: tuple[int, ...]) -> None:
-    """One round of a single float under each grid key, before the clock starts. A grid run
-    waits for the line-mates it knows, and a daemon becomes known with its first call: DiLoCo
-    first calls H steps in, when hosts that drifted apart by a few seconds would each find
-    nobody expecting them and keep their own pseudo-gradient."""
+              cell: tuple[int, ...], hosts: int) -> None:
+    """One round of a single float under each grid key with every host, before the clock
+    starts. A grid run waits for the line-mates it knows, and a daemon is known from its first
+    call, which DiLoCo makes H steps in: hosts that drifted apart by a few seconds would find
+    nobody expecting them. First a round of every host under a plain key, which waits for the
+    last one to finish starting (a grid round gets one matchmaking attempt, a few seconds), so
+    that all begin each grid run at the same round number: hosts that finished starting 20 s
+    apart otherwise began a round apart, and met only those a round from them all run long."""
+    with contextlib.suppress(moshpit.MoshpitError):  # then the runs, as well as we can
+        client.average([torch.zeros(1)], key=f"{KEY}/start", group_size=hosts,
+                       min_group_size=hosts, timeout=JOIN_TIMEOUT_S)
     for key in keys:
-        with contextlib.suppress(moshpit.MoshpitError):  # alone: registered all the same
+        with contextlib.suppress(moshpit.MoshpitError):  # registered all the same
             client.average([torch.zeros(1)], key=key, grid=grid, rounds=1,
-                           initial_coords=cell, timeout=JOIN_TIMEOUT_S)
+                           initial_coords=cell, group_size=hosts, timeout=JOIN_TIMEOUT_S)
 
 
 def average_parameters(spec: WorkerSpec, trainer: LocalTrainer, client: moshpit.Client,
