@@ -77,13 +77,13 @@ TEST_JOBS ?= 3
 
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(PEERS_STAMP) system-deps
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test-unit: $(STAMP) system-deps
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/unit
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder tests/unit
 
 test-integration: $(STAMP) system-deps
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/integration
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder tests/integration
 
 # the fuzz tests with ten times the cases `make test` runs (MOSHPIT_FUZZ_EXAMPLES=N to change)
 fuzz: $(STAMP)

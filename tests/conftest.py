@@ -9,6 +9,35 @@ import pytest
 
 from moshpitd.launcher import LocalSwarm
 
+# The files that take longest (seconds measured under `make test`'s three processes), started
+# first: `make test` keeps this order (--no-loadscope-reorder), so no process is left with a
+# three-minute file at the end while the others sit idle. pytest-xdist's own order is by the
+# number of tests in a file, which puts these single long tests last.
+LONGEST_FIRST = (
+    "tests/integration/test_swarm_smoke.py",  # ~250 s
+    "tests/integration/test_fuzz_ipc.py",  # ~195 s
+    "tests/integration/test_join.py",  # ~160 s
+    "tests/integration/test_optimizer.py",  # ~140 s
+    "tests/integration/test_demo.py",  # ~125 s
+    "tests/integration/test_fuzz_grpc.py",  # ~80 s
+    "tests/integration/test_service.py",
+    "tests/integration/test_diloco_bench.py",
+    "tests/integration/test_faults.py",
+    "tests/integration/test_state.py",
+    "tests/integration/test_netns.py",
+    "tests/integration/test_swarm_diloco_worker.py",
+    "tests/docs/test_examples.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+
+    def order(item: pytest.Item) -> int:
+        return rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST))
+
+    items.sort(key=order)  # stable: within a file, and among the rest, collection order
+
 
 @pytest.fixture
 def swarm_factory(tmp_path: Path) -> Iterator[Callable[..., LocalSwarm]]:
