@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the scenario's; --smoke: 25)")
     p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: "
                    f"all; --smoke: {', '.join(SMOKE_SYSTEMS)})")
-    p.add_argument("--target", type=float, help="target loss (default: " + report.TARGET_RULE.replace("%", "%%") + ")")
+    p.add_argument("--target", type=float,  # argparse %-formats help: escape the rule's %
+                   help="target loss (default: " + report.TARGET_RULE.replace("%", "%%") + ")")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--out", type=Path, help="output directory (default: a new one in /tmp)")
     p.add_argument("--smoke", action="store_true",
