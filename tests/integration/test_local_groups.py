@@ -208,7 +208,7 @@ def test_disagreeing_shard_ranks_fail_the_host_naming_the_rank(hosts: LocalSwarm
 def test_a_shard_shape_differing_across_hosts_names_the_rank(hosts: LocalSwarm) -> None:
     """2 hosts x 2 shard ranks; host B's rank 1 holds its first tensor with another shape.
     The hosts' vectors differ, and each host's ranks get SchemaMismatch naming rank 1 (the
-    first whose tensors differ from that rank's at the other host); no round took place."""
+    first whose tensors differ from that rank's at the other host); nothing was sent."""
     x = tensors(45)
     odd = [x[1][:-1], x[2]]
     split = {0: [x[:1], x[1:]], 1: [x[:1], odd]}
@@ -218,8 +218,10 @@ def test_a_shard_shape_differing_across_hosts_names_the_rank(hosts: LocalSwarm) 
         name, message, rank = t.failed()
         assert name == "SchemaMismatch" and rank == 1, message
         assert "local rank 1 of this host holds other tensors than local rank 1 of peer" in message
-    with moshpit.Client(hosts.sockets[0]) as c:
-        assert "shard-shapes" not in {r["key"] for r in c.rounds()}
+    for socket in hosts.sockets:  # one round per host, which found no group: nothing sent
+        with moshpit.Client(socket) as c:
+            rounds = [r for r in c.rounds() if r["key"] == "shard-shapes"]
+        assert [(r["result"], r["bytes_sent"]) for r in rounds] == [("matchmaking_failed", 0)]
 
 
 @pytest.mark.parametrize("mode", ["replicas", "shards"])
