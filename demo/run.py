@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"step (\d+)/(\d+)")
 EPOCH = re.compile(r"epoch (\d+)/\d+ .*held-out accuracy ([0-9.]+)")
 FINAL = re.compile(r"final accuracy ([0-9.]+)")
+HOST = re.compile(r"host \d+: \d+ rounds under 'demo' as one peer, group sizes \[([0-9, ]*)\]")
 _print_lock = threading.Lock()
 
 
@@ -56,6 +57,7 @@ class Trainer:
         self.final: float | None = None
         self.left_at: int | None = None  # the step it said it was leaving at
         self.joined_at: int | None = None
+        self.host_groups: list[int] = []  # --per-host, a local rank 0: its host's group sizes
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "demo.trainer", "--rank", str(rank), *args], cwd=ROOT,
@@ -75,6 +77,8 @@ class Trainer:
                 self.accs[int(match.group(1))] = float(match.group(2))
             elif match := FINAL.search(line):
                 self.final = float(match.group(1))
+            elif match := HOST.search(line):
+                self.host_groups = [int(n) for n in match.group(1).split(",") if n.strip()]
             elif step and "leaving:" in line:
                 self.left_at = int(step.group(1))
             elif step and "joined:" in line:
@@ -195,34 +199,16 @@ def per_host(swarm: LocalSwarm, trainers: list[Trainer], args: argparse.Namespac
             return
 
 
-def host_rounds(swarm: LocalSwarm) -> list[list[int]] | None:
-    """Each daemon's rounds under the demo's key, as group sizes: one peer per host makes
-    groups of at most the number of hosts. None if a daemon could not be asked."""
-    from moshpit import Client, MoshpitError  # here: the client imports torch, slow to load
-
-    out = []
-    for d in swarm.daemons:
-        try:
-            with Client(d.socket) as c:
-                out.append([r["group_size"] for r in c.rounds() if r["key"] == "demo"])
-        except MoshpitError as exc:
-            say(f"daemon {d.name}: cannot list its rounds ({exc})")
-            return None
-    return out
-
-
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     started = time.monotonic()
     swarm = LocalSwarm(args.world, args.workdir, args.log_level)
     trainers: list[Trainer] = []
-    rounds: list[list[int]] | None = None
     try:
         with deferred_interrupt():
             swarm.start()
         say(f"started {args.world} daemons in {time.monotonic() - started:.1f} s")
         if args.per_host:
             per_host(swarm, trainers, args, extra, started + args.deadline)
-            rounds = host_rounds(swarm)
         else:
             churn(swarm, trainers, args, extra, started + args.deadline)
     finally:
@@ -236,7 +222,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         swarm.stop()
     print(f"finished in {time.monotonic() - started:.1f} s")
     if args.per_host:
-        return report_hosts(trainers, rounds, args)
+        return report_hosts(trainers, args)
     return report(trainers, args.world - 1, args)
 
 
@@ -269,10 +255,10 @@ def report(trainers: list[Trainer], leaver: int, args: argparse.Namespace) -> in
     return 0
 
 
-def report_hosts(trainers: list[Trainer], rounds: list[list[int]] | None,
-                 args: argparse.Namespace) -> int:
+def report_hosts(trainers: list[Trainer], args: argparse.Namespace) -> int:
     """--per-host: every trainer finished with one model, and every host averaged as one
-    peer (groups of at most --world, never one member per trainer)."""
+    peer (groups of at most --world, never one member per trainer), as its local rank 0 read
+    from its daemon."""
     curve(trainers, args.epochs)
     failed = False
     for t in trainers:
@@ -280,11 +266,10 @@ def report_hosts(trainers: list[Trainer], rounds: list[list[int]] | None,
         print(f"trainer {t.rank} (host {t.rank // args.per_host}): exit {t.proc.returncode}, "
               f"final held-out accuracy {acc}")
         failed |= t.proc.returncode != 0 or t.final is None
-    for host, sizes in enumerate(rounds or []):
-        print(f"host {host}: {len(sizes)} rounds under 'demo' as one peer, group sizes "
-              f"{sorted(set(sizes))}")
+    for host in range(args.world):
+        sizes = trainers[host * args.per_host].host_groups
         failed |= not sizes or max(sizes) > args.world
-    if failed or rounds is None:
+    if failed:
         print("FAILED: not every trainer finished, or a host did not average as one peer")
         return 1
     finals = [t.final for t in trainers if t.final is not None]

@@ -144,6 +144,11 @@ def train(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     say(f"trained {total - first} steps in {time.monotonic() - began:.1f} s, "
         f"{opt.rounds_done} rounds ok, {opt.failed_rounds} failed; last round with everyone: "
         f"{describe(opt, synced)}; final accuracy {accuracy(model, x_test, y_test):.4f}")
+    if args.local_world and args.rank % args.local_world == 0 and isinstance(opt.client,
+                                                                             moshpit.Client):
+        sizes = [r["group_size"] for r in opt.client.rounds() if r["key"] == "demo"]
+        say(f"host {args.rank // args.local_world}: {len(sizes)} rounds under 'demo' as one "
+            f"peer, group sizes {sorted(set(sizes))}")
     opt.close()
     return 0 if synced else 1
 

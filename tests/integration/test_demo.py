@@ -137,9 +137,9 @@ def test_demo_per_host_averages_each_host_as_one_peer(tmp_path: Path) -> None:
     assert {size for size, _ in rounds} == {"2"}, rounds
     # a replica later than the local deadline is left out of a round, not of every round
     assert "0, 1" in {ranks for _, ranks in rounds}, rounds
-    hosts = re.findall(r"^host (\d): (\d+) rounds under 'demo' as one peer, group sizes "
-                       r"\[2\]$", out, re.M)
-    assert [h for h, _ in hosts] == ["0", "1"] and all(int(n) >= 5 for _, n in hosts), hosts
+    hosts = re.findall(r"^\[rank [02]\] host (\d): (\d+) rounds under 'demo' as one peer, "
+                       r"group sizes \[2\]$", out, re.M)
+    assert sorted(h for h, _ in hosts) == ["0", "1"] and all(int(n) >= 5 for _, n in hosts), hosts
     finals = re.findall(r"^trainer \d \(host [01]\): exit 0, final held-out accuracy "
                         r"([0-9.]+)$", out, re.M)
     assert len(finals) == 4 and len(set(finals)) == 1, finals  # one model on every trainer
