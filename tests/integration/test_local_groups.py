@@ -319,3 +319,25 @@ def test_cuda_falls_back_to_staging_when_registering_fails(
     with caplog.at_level(logging.WARNING, logger="moshpit"):
         cuda_round(hosts, "cuda-staged")
     assert sum("pinned staging buffer" in r.message for r in caplog.records) == 1
+
+
+@NO_CUDA
+def test_optimizer_averages_cuda_parameters(hosts: LocalSwarm) -> None:
+    """moshpit.Optimizer on CUDA parameters, one trainer per host, lr 0: after one round both
+    hold the weighted mean, still on the device (their wire buffers are on it too)."""
+    inputs = [tensors(80 + i)[0] for i in range(2)]
+    params = [torch.nn.Parameter(torch.from_numpy(x).cuda()) for x in inputs]
+    opts = [moshpit.Optimizer(torch.optim.SGD([p], lr=0.0), client=hosts.sockets[i],
+                              key="cuda-optimizer", average_every=1, timeout=30)
+            for i, p in enumerate(params)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    results = run_parallel([lambda i=i: opts[i].step(batch_size=i + 1) for i in range(2)])
+    assert not any(isinstance(r, Exception) for r in results), results
+    for opt, p in zip(opts, params, strict=True):
+        assert opt.rounds_done == 1, opt.last_error
+        assert p.device.type == "cuda" and all(w.device.type == "cuda"
+                                               for w in opt._wire[""])
+        np.testing.assert_allclose(p.detach().cpu().numpy(), weighted_mean(inputs, [1, 2]),
+                                   rtol=0, atol=1e-5 * float(np.abs(inputs).max()))
+        opt.close()
