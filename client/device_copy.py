@@ -94,11 +94,16 @@ class DeviceCopier:
             return
         pinned = self.pin(buf)
         base = address(buf)
-        with self._side_stream(staged[0][1].device) as stream:
-            for view, t in staged:
-                dest = view if pinned else self._stage(base, view, len(buf))
-                dest.copy_(t, non_blocking=True)
-        stream.synchronize()
+        streams = []
+        for device in {t.device for _, t in staged}:  # all queued, then all waited for
+            with self._side_stream(device) as stream:
+                for view, t in staged:
+                    if t.device == device:
+                        dest = view if pinned else self._stage(base, view, len(buf))
+                        dest.copy_(t, non_blocking=True)
+            streams.append(stream)
+        for stream in streams:
+            stream.synchronize()
         if not pinned:
             for view, _ in staged:
                 view.copy_(self._stage(base, view, len(buf)))
@@ -111,14 +116,20 @@ class DeviceCopier:
             return
         pinned = self.pin(buf)
         base = address(buf)
-        with self._side_stream(pairs[0][1].device) as stream:
-            for view, out in pairs:
-                src = view
-                if not pinned:
-                    src = self._stage(base, view, len(buf))
-                    src.copy_(view)
-                out.view(-1).copy_(src, non_blocking=True)
-        stream.synchronize()
+        streams = []
+        for device in {o.device for _, o in pairs}:
+            with self._side_stream(device) as stream:
+                for view, out in pairs:
+                    if out.device != device:
+                        continue
+                    src = view
+                    if not pinned:
+                        src = self._stage(base, view, len(buf))
+                        src.copy_(view)
+                    out.view(-1).copy_(src, non_blocking=True)
+            streams.append(stream)
+        for stream in streams:
+            stream.synchronize()
 
     def _side_stream(self, device: torch.device) -> _OnSideStream:
         stream = self._streams.get(device)
