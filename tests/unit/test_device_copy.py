@@ -87,3 +87,12 @@ def test_cpu_tensors_are_copied_without_cuda(
     assert cuda.registered == []
     del views
     buf.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the bench runs")
+def test_the_bench_says_there_is_no_cuda_device_and_exits_0(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.cuda_copy import main
+
+    assert main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
