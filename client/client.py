@@ -2,11 +2,11 @@
 
 Tensor bytes go through a memfd that both sides map; only small msgpack frames cross the socket.
 The buffer is sealed against shrinking (the daemon insists), grown by attaching a new memfd.
+CUDA tensors are copied into and out of it asynchronously (client/device_copy.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import mmap
 import os
@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from moshpit.connection import DaemonConnection, R, decode_reply
+from moshpit.device_copy import DeviceCopier, address, on_cuda
 from moshpit.errors import (
     InvalidRequest,
-    ProtocolError,
     StateUnavailable,
 )
+from moshpit.round_info import RoundInfo, round_info
 from moshpitd.ipc import schema as wire
 from moshpitd.ipc.schema import (
     AGGREGATIONS,
@@ -63,34 +64,6 @@ def check_local(local_world: int | None, local_rank: int | None
     return int(local_world), None if local_rank is None else int(local_rank)
 
 
-@dataclass(frozen=True)
-class RoundInfo:
-    """What the daemon reports about the last averaging round."""
-
-    group_size: int
-    seconds: float
-    matchmaking_seconds: float
-    bytes_sent: int
-    bytes_received: int
-    round: int | None = None  # the grid round (None without a grid)
-    coords: tuple[int, ...] | None = None  # this peer's cell on the grid
-    group_sizes: tuple[int, ...] = ()  # one per round of a multi-round call
-    # What each element of the result is, for the last all-reduce: (start, stop, members) over
-    # the flattened tensors in request order; `members` is a bitmask of the group members whose
-    # values were averaged there, 0 where the element kept its local value (a peer failed).
-    spans: tuple[tuple[int, int, int], ...] = ()
-    members: tuple[str, ...] = ()  # peer ids of the group, bit i of a mask = members[i]
-    owned: int = 0  # elements this peer reduced for its group (0 in client mode)
-    # With local_world: this trainer's local rank (a replica's is its order of arrival in the
-    # round) and the local ranks whose values the host sent (replicas left out are missing)
-    local_rank: int | None = None
-    local_ranks: tuple[int, ...] = ()
-
-    @property
-    def fully_averaged(self) -> bool:
-        return all(mask for _, _, mask in self.spans)
-
-
 def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[list[Any]], int]:
     specs, offset = [], 0
     for i, t in enumerate(tensors):
@@ -106,24 +79,19 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[list[Any]], int]:
     return specs, max(offset, 1)
 
 
-def _address(buf: mmap.mmap) -> int:
-    """Where a mapping starts in memory (to tell whether a tensor lies inside it)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+@dataclass(frozen=True)
+class DeviceShare:
+    """Device tensors made by share(): their values cross in the buffer reserved for them."""
 
+    bid: int
+    buf: mmap.mmap
+    specs: list[list[Any]]
+    tensors: list[torch.Tensor]
 
-def _round_info(reply: wire.AverageReply) -> RoundInfo:
-    if any(len(span) != 3 for span in reply.spans):
-        raise ProtocolError("average: field 'spans' holds a span that is not [start, stop, "
-                            "mask]")
-    return RoundInfo(
-        group_size=reply.group_size, seconds=reply.seconds,
-        matchmaking_seconds=reply.matchmaking_seconds, bytes_sent=reply.bytes_sent,
-        bytes_received=reply.bytes_received, round=reply.round,
-        coords=None if reply.coords is None else tuple(reply.coords),
-        group_sizes=tuple(reply.group_sizes),
-        spans=tuple((a, b, m) for a, b, m in reply.spans),
-        members=tuple(reply.members), owned=reply.owned, local_rank=reply.local_rank,
-        local_ranks=tuple(reply.local_ranks))
+    def holds(self, tensors: list[torch.Tensor]) -> bool:
+        return len(tensors) == len(self.tensors) and all(
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device for a, b in zip(tensors, self.tensors, strict=True))
 
 
 class Client:
@@ -136,6 +104,8 @@ class Client:
         self._mmap: mmap.mmap | None = None
         self._size = 0
         self._shared: list[tuple[int, int, int, mmap.mmap]] = []  # id, address, size, map
+        self._device_shared: list[DeviceShare] = []
+        self._device = DeviceCopier()
         self.last_round: RoundInfo | None = None
         # the last download_state: {"version", "donors" (holders seen), "served_by"}
         self.last_download: dict[str, int] | None = None
@@ -172,16 +142,22 @@ class Client:
         local_world, local_rank = check_local(local_world, local_rank)
         with self._lock:
             shared = self._shared_layout(tensors)
+            device = next((d for d in self._device_shared if d.holds(tensors)), None)
             if shared is not None:  # tensors from share(): averaged where they lie
                 bid, specs = shared
                 views = tensors
+            elif device is not None:  # device tensors from share(): through their buffer
+                bid, specs, buf = device.bid, device.specs, device.buf
+                views = self._views(buf, specs)
+                self._device.to_buffer(buf, views, tensors)
             else:
                 specs, size = _layout(tensors)
                 bid = 0
                 self._ensure_buffer(size)
-                views = self._views(self._mmap, specs)
-                for view, t in zip(views, tensors, strict=True):
-                    view.copy_(t.detach().reshape(-1))
+                assert self._mmap is not None
+                buf = self._mmap
+                views = self._views(buf, specs)
+                self._device.to_buffer(buf, views, tensors)
             reply = self._call(wire.AverageRequest(
                 key=key, tensors=specs, weight=float(weight), timeout=float(timeout),
                 group_size=int(group_size), min_group_size=int(min_group_size),
@@ -191,36 +167,48 @@ class Client:
                 initial_coords=None if initial_coords is None else [int(c) for c in
                                                                     initial_coords],
             ), wire.AverageReply, timeout=timeout + REPLY_MARGIN)
-            self.last_round = _round_info(reply)
+            self.last_round = round_info(reply)
             if shared is not None:
                 return tensors
-            # a CPU result must leave the buffer the next call reuses; a device tensor is
-            # copied out of it by the transfer itself (no host copy in between)
-            return [v.clone().reshape(t.shape) if t.device.type == "cpu" else
-                    v.reshape(t.shape).to(t.device) for v, t in zip(views, tensors, strict=True)]
+            # a CPU result must leave the buffer the next call reuses; a device result is
+            # copied from it by DMA (no host copy in between)
+            outs = tensors if device is not None else [
+                v.clone().reshape(t.shape) if t.device.type != "cuda" else
+                torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                for v, t in zip(views, tensors, strict=True)]
+            self._device.from_buffer(buf, views, outs)
+            return outs
 
     def share(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of `tensors` that live in memory shared with the daemon.
+        """Copies of `tensors` whose values `average` exchanges with the daemon in place.
 
-        `average` averages such tensors in place, with no copy on either side: keep a
-        model's parameters in them (`p.data = shared`) to hand a round over for free.
-        They live in host memory: CPU tensors only (average() copies device tensors through
-        the shared buffer itself)."""
+        CPU tensors: the copies live in memory shared with the daemon, averaged with no copy
+        on either side; keep a model's parameters in them (`p.data = shared`) to hand a round
+        over for free. CUDA tensors: the copies stay on their device, with a page-locked
+        buffer of their own that averaging copies them through, asynchronously."""
         tensors = list(tensors)
         for i, t in enumerate(tensors):
-            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-                raise TypeError(f"tensor {i} is on {t.device}: share() makes tensors in host "
-                                "memory shared with the daemon; pass device tensors to "
-                                "average() as they are, which copies them through that memory")
+            if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "cuda"):
+                raise TypeError(f"tensor {i} is on {t.device}: share() takes CPU or CUDA "
+                                "tensors")
         specs, size = _layout(tensors)
+        cuda = on_cuda(tensors)
+        if cuda and not all(t.device.type == "cuda" for t in tensors):
+            raise TypeError("share() takes tensors all on the CPU or all on CUDA devices, "
+                            "not both")
         with self._lock:
-            bid = len(self._shared) + 1
+            bid = len(self._shared) + len(self._device_shared) + 1
             buf = self._attach(bid, size)
             views = self._views(buf, specs)
+            if cuda:
+                copies = [t.detach().clone(memory_format=torch.contiguous_format)
+                          for t in tensors]
+                self._device.pin(buf)
+                self._device_shared.append(DeviceShare(bid, buf, specs, copies))
+                return copies
             for view, t in zip(views, tensors, strict=True):
                 view.copy_(t.detach().reshape(-1))
-            base = _address(buf)
-            self._shared.append((bid, base, len(buf), buf))
+            self._shared.append((bid, address(buf), len(buf), buf))
         return [v.reshape(t.shape) for v, t in zip(views, tensors, strict=True)]
 
     def publish_state(self, key: str, tensors: Sequence[torch.Tensor],
@@ -240,8 +228,8 @@ class Client:
                 specs, size = _layout(tensors)
                 bid = 0
                 self._ensure_buffer(size)
-                for view, t in zip(self._views(self._mmap, specs), tensors, strict=True):
-                    view.copy_(t.detach().reshape(-1))
+                assert self._mmap is not None
+                self._device.to_buffer(self._mmap, self._views(self._mmap, specs), tensors)
             reply = self._call(wire.PublishStateRequest(
                 key=key, tensors=specs, buffer=bid, meta=meta or {}, timeout=float(timeout),
                 version=version), wire.PublishStateReply, timeout=timeout + REPLY_MARGIN)
@@ -298,8 +286,13 @@ class Client:
 
     def close(self) -> None:
         self._conn.close()
+        for buf in [self._mmap, *(b for *_, b in self._shared),
+                    *(d.buf for d in self._device_shared)]:
+            if buf is not None:
+                self._device.release(buf)  # before the mapping can go
         self._mmap = None
         self._shared.clear()
+        self._device_shared.clear()
 
     def __enter__(self) -> Client:
         return self
@@ -338,6 +331,8 @@ class Client:
         if self._mmap is not None and self._size >= size:
             return
         size = max(size, 2 * self._size)
+        if self._mmap is not None:
+            self._device.release(self._mmap)
         self._mmap = self._attach(0, size)  # the old mapping goes when its views do
         self._size = len(self._mmap)
 

@@ -48,9 +48,15 @@ class GroupNotFound(MoshpitError):
 
 
 class SchemaMismatch(MoshpitError):
-    """Peers under the key submitted tensors of other shapes or dtypes."""
+    """Peers under the key submitted tensors of other shapes or dtypes. For the shards of a
+    host (local_rank), `rank` is its first local rank whose tensors differ from that rank's at
+    another shard host (None when no rank could be named)."""
 
     code = ErrorCode.SCHEMA_MISMATCH
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class GridMismatch(MoshpitError):
@@ -142,7 +148,7 @@ def from_reply(reply: dict[str, object]) -> MoshpitError:
     code = str(reply.get("error", "unknown"))
     message = str(reply.get("message", "the daemon reported an error"))
     cls = BY_CODE.get(code, MoshpitError)
-    if issubclass(cls, LocalRankMissing | LocalMismatch):
+    if issubclass(cls, LocalRankMissing | LocalMismatch | SchemaMismatch):
         rank = reply.get("rank")
         return cls(f"{code}: {message}", rank if isinstance(rank, int) else None)
     return cls(f"{code}: {message}")

@@ -216,12 +216,17 @@ class Optimizer(WrappedOptimizer):
         return self._names, [found[n] for n in self._names]
 
     def _wire_buffers(self, tensors: list[torch.Tensor], key: str = "") -> list[torch.Tensor]:
-        """CPU tensors handed to the client; shared with the daemon when it can, reused."""
+        """Tensors handed to the client, shared with the daemon when it can, reused: on the
+        CPU, or on the device for CUDA tensors (their values cross the shared buffer by DMA)."""
         wire = self._wire.get(key)
+        # one device for all (Adam's step counts stay on the CPU beside CUDA parameters)
+        device = next((t.device for t in tensors if t.device.type == "cuda"),
+                      torch.device("cpu"))
         if wire is None or len(wire) != len(tensors) or any(
-                w.shape != t.shape or w.dtype != wire_dtype(t)
+                w.shape != t.shape or w.dtype != wire_dtype(t) or w.device != device
                 for w, t in zip(wire, tensors, strict=True)):
-            blank = [torch.empty(t.shape, dtype=wire_dtype(t)) for t in tensors]
+            blank = [torch.empty(t.shape, dtype=wire_dtype(t), device=device)
+                     for t in tensors]
             wire = blank
             if self.share_memory and self.client is not None:
                 try:

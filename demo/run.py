@@ -6,6 +6,10 @@ averaged every few steps with its peers, optimizer state included). The last ran
 itself at a third of training; once rank 0 is half-way, a fresh trainer joins on a new daemon,
 downloads the swarm's state from its peers and trains on the dead rank's shard to the end.
 
+With --per-host N, each daemon stands for a host with N trainers (torchrun's
+LOCAL_WORLD_SIZE): they train replicas of the model on their own shards, and their daemon
+averages their mean with the other hosts as one peer (local_world=N). Nobody leaves or joins.
+
 Trainers are separate processes started with subprocess (never forked); their output is streamed
 here with a rank prefix. Everything started is stopped on the way out, also on Ctrl-C or at the
 deadline: trainers, then daemons, in a finally block.
@@ -33,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"step (\d+)/(\d+)")
 EPOCH = re.compile(r"epoch (\d+)/\d+ .*held-out accuracy ([0-9.]+)")
 FINAL = re.compile(r"final accuracy ([0-9.]+)")
+HOST = re.compile(r"host \d+: \d+ rounds under 'demo' as one peer, group sizes \[([0-9, ]*)\]")
 _print_lock = threading.Lock()
 
 
@@ -52,6 +57,7 @@ class Trainer:
         self.final: float | None = None
         self.left_at: int | None = None  # the step it said it was leaving at
         self.joined_at: int | None = None
+        self.host_groups: list[int] = []  # --per-host, a local rank 0: its host's group sizes
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "demo.trainer", "--rank", str(rank), *args], cwd=ROOT,
@@ -71,6 +77,8 @@ class Trainer:
                 self.accs[int(match.group(1))] = float(match.group(2))
             elif match := FINAL.search(line):
                 self.final = float(match.group(1))
+            elif match := HOST.search(line):
+                self.host_groups = [int(n) for n in match.group(1).split(",") if n.strip()]
             elif step and "leaving:" in line:
                 self.left_at = int(step.group(1))
             elif step and "joined:" in line:
@@ -172,6 +180,25 @@ def churn(swarm: LocalSwarm, trainers: list[Trainer], args: argparse.Namespace,
             return
 
 
+def per_host(swarm: LocalSwarm, trainers: list[Trainer], args: argparse.Namespace,
+             extra: list[str], deadline: float) -> None:
+    """Start per_host trainers on each daemon, each on a shard of its own, and wait for them."""
+    data = swarm.workdir / "digits.npz"
+    save_split(data)
+    world = args.world * args.per_host
+    common = ["--world", str(world), "--data", str(data), "--epochs", str(args.epochs),
+              "--local-world", str(args.per_host), *extra]
+    for rank in range(world):
+        trainers.append(Trainer(rank, ["--socket", swarm.sockets[rank // args.per_host],
+                                       *common]))
+    for t in trainers:
+        try:
+            t.proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            say(f"trainers still running after {args.deadline:.0f} s: stopping them")
+            return
+
+
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     started = time.monotonic()
     swarm = LocalSwarm(args.world, args.workdir, args.log_level)
@@ -180,7 +207,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         with deferred_interrupt():
             swarm.start()
         say(f"started {args.world} daemons in {time.monotonic() - started:.1f} s")
-        churn(swarm, trainers, args, extra, started + args.deadline)
+        if args.per_host:
+            per_host(swarm, trainers, args, extra, started + args.deadline)
+        else:
+            churn(swarm, trainers, args, extra, started + args.deadline)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop this
         stop_trainers(trainers)
@@ -191,6 +221,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 print(f"daemon {d.name} died (exit {d.proc.returncode}):\n{d.log_tail()}")
         swarm.stop()
     print(f"finished in {time.monotonic() - started:.1f} s")
+    if args.per_host:
+        return report_hosts(trainers, args)
     return report(trainers, args.world - 1, args)
 
 
@@ -223,12 +255,42 @@ def report(trainers: list[Trainer], leaver: int, args: argparse.Namespace) -> in
     return 0
 
 
+def report_hosts(trainers: list[Trainer], args: argparse.Namespace) -> int:
+    """--per-host: every trainer finished with one model, and every host averaged as one
+    peer (groups of at most --world, never one member per trainer), as its local rank 0 read
+    from its daemon."""
+    curve(trainers, args.epochs)
+    failed = False
+    for t in trainers:
+        acc = "missing" if t.final is None else f"{t.final:.4f}"
+        print(f"trainer {t.rank} (host {t.rank // args.per_host}): exit {t.proc.returncode}, "
+              f"final held-out accuracy {acc}")
+        failed |= t.proc.returncode != 0 or t.final is None
+    for host in range(args.world):
+        sizes = trainers[host * args.per_host].host_groups
+        failed |= not sizes or max(sizes) > args.world
+    if failed:
+        print("FAILED: not every trainer finished, or a host did not average as one peer")
+        return 1
+    finals = [t.final for t in trainers if t.final is not None]
+    mean = sum(finals) / len(finals)
+    print(f"mean final held-out accuracy of the {len(finals)} trainers at the end: {mean:.4f}")
+    if mean <= args.min_accuracy:
+        print(f"FAILED: mean accuracy is not above {args.min_accuracy}")
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Other options go to every trainer: see python -m demo.trainer -h.")
-    p.add_argument("--world", type=int, default=4, help="daemons and trainers to start with "
-                   "(>= 3); one more of each joins")
+    p.add_argument("--world", type=int, help="daemons and trainers to start with (>= 3); "
+                   "one more of each joins. With --per-host: daemons (hosts, >= 2). Default 4, "
+                   "or 2 with --per-host")
+    p.add_argument("--per-host", type=int, default=0, metavar="N",
+                   help="N trainers per daemon, averaging as one peer (local_world=N); "
+                   "nobody leaves or joins")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--min-accuracy", type=float, default=0.85)
     p.add_argument("--deadline", type=float, default=150.0,
@@ -237,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
                    "temporary directory, removed at the end)")
     p.add_argument("--log-level", default="INFO", help="the daemons' log level")
     args, extra = p.parse_known_args(argv)
-    if args.world < 3:  # with 2, the one left would wait out every round's timeout alone
+    if args.per_host < 0:
+        p.error("--per-host must be at least 1")
+    if args.world is None:
+        args.world = 2 if args.per_host else 4
+    if args.per_host and args.world < 2:
+        p.error("--world must be at least 2 with --per-host: hosts average with each other")
+    if not args.per_host and args.world < 3:  # with 2, one would wait out every round alone
         p.error("--world must be at least 3: one trainer leaves, the others go on averaging")
     try:
         return run(args, extra)

@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="SIGKILL this trainer after this fraction of its steps (0: never)")
     p.add_argument("--join", action="store_true",
                    help="join a running job: download the state from peers before training")
+    p.add_argument("--local-world", type=int,
+                   help="one of this many trainers of its host (demo.run --per-host): they "
+                   "average as one peer of the swarm, their daemon's (local_world)")
     p.add_argument("--all-rounds", action="store_true",
                    help="print every round on every rank (default: rank 0 only)")
     return p.parse_args(argv)
@@ -65,7 +68,12 @@ def describe(opt: moshpit.Optimizer, ok: bool) -> str:
     info = opt.last_round
     if not ok or info is None:
         return f"FAILED ({opt.last_error})"
-    return f"group of {info.group_size}, {info.seconds:.3f} s"
+    return f"group of {info.group_size}, {info.seconds:.3f} s{local_ranks(info)}"
+
+
+def local_ranks(info: moshpit.RoundInfo) -> str:
+    """With --local-world: the local trainers whose mean the host sent."""
+    return f", local ranks {list(info.local_ranks)}" if info.local_ranks else ""
 
 
 def train(args: argparse.Namespace, say: Callable[[str], None]) -> int:
@@ -87,9 +95,12 @@ def train(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         if not socket:
             say("no daemon given: not joining")
             return 1
+    # the swarm's peers are hosts: with --local-world, each host's trainers average as one
+    peers = args.world // (args.local_world or 1)
     opt = moshpit.Optimizer(inner, client=socket, key="demo",
-                            average_every=args.average_every, group_size=args.world,
-                            model=model, average_state=True, timeout=args.timeout)
+                            average_every=args.average_every, group_size=peers,
+                            model=model, average_state=True, timeout=args.timeout,
+                            local_world=args.local_world)
     if args.join:
         fresh = shard_loss(model, x, y)
         start = opt.load_state_from_peers(timeout=args.sync_timeout)
@@ -97,7 +108,7 @@ def train(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             f"{shard_loss(model, x, y):.3f} with the state downloaded from peers; "
             f"resuming at step {start}/{total}")
     else:  # the same initial weights everywhere, but a first collective round all the same
-        synced = opt.sync(min_group_size=args.world, timeout=args.sync_timeout)
+        synced = opt.sync(min_group_size=peers, timeout=args.sync_timeout)
         say(f"first round with everyone: {describe(opt, synced)}")
     show_rounds = args.rank == 0 or args.all_rounds
     first = opt.local_step
@@ -118,7 +129,8 @@ def train(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             step = opt.local_step
             if opt.rounds_done > done and show_rounds and opt.last_round is not None:
                 say(f"round {opt.rounds_done} at step {step}/{total}: group of "
-                    f"{opt.last_round.group_size}, {opt.last_round.seconds:.3f} s")
+                    f"{opt.last_round.group_size}, {opt.last_round.seconds:.3f} s"
+                    f"{local_ranks(opt.last_round)}")
             if step == leave_at:
                 say(f"leaving: killed at step {step}/{total}")
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -128,10 +140,15 @@ def train(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             f"{loss_sum / max(seen, 1):.4f}, held-out accuracy "
             f"{accuracy(model, x_test, y_test):.4f}")
     # The last round waits for everyone, so that all trainers end with one model.
-    synced = opt.sync(min_group_size=args.world, timeout=args.sync_timeout)
+    synced = opt.sync(min_group_size=peers, timeout=args.sync_timeout)
     say(f"trained {total - first} steps in {time.monotonic() - began:.1f} s, "
         f"{opt.rounds_done} rounds ok, {opt.failed_rounds} failed; last round with everyone: "
         f"{describe(opt, synced)}; final accuracy {accuracy(model, x_test, y_test):.4f}")
+    if args.local_world and args.rank % args.local_world == 0 and isinstance(opt.client,
+                                                                             moshpit.Client):
+        sizes = [r["group_size"] for r in opt.client.rounds() if r["key"] == "demo"]
+        say(f"host {args.rank // args.local_world}: {len(sizes)} rounds under 'demo' as one "
+            f"peer, group sizes {sorted(set(sizes))}")
     opt.close()
     return 0 if synced else 1
 

@@ -30,6 +30,7 @@ class AverageRequest:
     aggregation: str = "mean"  # or trimmed_mean, centered_clip (moshpitd/allreduce/robust.py)
     local_world: int | None = None  # one of this host's local trainers (moshpitd/local/)
     local_rank: int | None = None  # its shard's rank; None: a replica
+    rank_digests: bytes = b""  # a shard host's, for matchmaking (declaration.rank_digests)
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,7 @@ class RoundRunner:
             weight=weight, target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, expected=expected, codec=request.codec,
             client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,
+            rank_digests=request.rank_digests,
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure
                   self.config.bandwidth or self.deadlines.link_mbit, self.me.auth)

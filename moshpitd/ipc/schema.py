@@ -26,6 +26,7 @@ from moshpitd.ipc.errors import ErrorCode, FieldError, IPCError
 from moshpitd.ipc.message import Message, decode, encode
 
 # 1: the unversioned protocol (errors named by Python class, no handshake); 3: local groups
+# (their error replies, schema_mismatch's included, may carry the local `rank` at fault)
 IPC_PROTOCOL = 3
 MAX_FRAME = 1 << 20  # bytes of one frame's payload: control messages only, never tensor bytes
 LENGTH_PREFIX = 4  # bytes of a frame's big-endian length

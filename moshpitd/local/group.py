@@ -223,7 +223,8 @@ class LocalGroup:
 
     async def _average_shards(self, members: list[Member]) -> None:
         view = ShardView([m.view for m in members])
-        request = self._swarm_request(members, tuple(view.specs))
+        request = replace(self._swarm_request(members, tuple(view.specs)),
+                          rank_digests=view.rank_digests())
         ranks = tuple(range(self.world))
         log.info("local round key=%s shards=%d elements=%d weight=%g", self.key, self.world,
                  view.first_element[-1], request.weight)

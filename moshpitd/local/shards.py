@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from moshpitd.allreduce.layout import FlatView, LayoutError, runs_of
+from moshpitd.allreduce.layout import FlatView, LayoutError, runs_of, schema_of
+from moshpitd.matchmaking.declaration import rank_digests
 
 Span = tuple[int, int, int]
 
@@ -53,6 +54,10 @@ class ShardView(FlatView):
         self._ranges = [(arr.ctypes.data, arr.ctypes.data + arr.nbytes, rank)
                         for rank, view in enumerate(self.shards)
                         for segments in view._segments for _, arr in segments]
+
+    def rank_digests(self) -> bytes:
+        """What the host declares so that a mismatch with a peer names the rank."""
+        return rank_digests([schema_of(v.specs) for v in self.shards])
 
     def check_finite(self, fp16: bool = False) -> None:
         for rank, view in enumerate(self.shards):

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 # 4: every group entry must match its peer's signed declaration of format 2.
 # 5: joins and GroupInfo are signed by peer keys, and data-plane streams open with a signed
 # handshake (transport/handshake.py).
-PROTOCOL_VERSION = 5
+# 6: declarations of format 3 (a shard host's rank digests): peers of 5 cannot read them.
+PROTOCOL_VERSION = 6
 
 
 @dataclass

@@ -102,6 +102,7 @@ class Matchmaker:
         self.assembled: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
         self._clock = AttemptClock(0.0, request.attempt_seconds)
         self._seen_mismatch: set[bytes] = set()
+        self._mismatch_ranks: dict[bytes, bytes] = {}  # their rank digests, if a shard host
         self._seen_match: set[bytes] = set()
         self._declared_now: set[bytes] = set()
         self._version = 0
@@ -120,7 +121,8 @@ class Matchmaker:
     def declaration(self) -> Declaration:
         """Our entry in any group, as every member will check it."""
         return Declaration(self.me.endpoint, self.req.schema_hash, self.req.client_mode,
-                           self.me.data_endpoint, self.req.weight, self.me.bandwidth)
+                           self.me.data_endpoint, self.req.weight, self.me.bandwidth,
+                           ranks=self.req.rank_digests)
 
     # --- the whole search ---------------------------------------------------------------------
     async def find_group(self, timeout: float) -> Group:
@@ -150,8 +152,8 @@ class Matchmaker:
                     "tensors with other dtypes or shapes (or another order, wire codec, "
                     "aggregation or daemon part_size), and none matched ours; every peer of a "
                     "group must submit the same list of shapes and dtypes with the same codec "
-                    "and aggregation, and every daemon use the same part_size"
-                )
+                    "and aggregation, and every daemon use the same part_size",
+                    self.req.rank_digests, self._mismatch_ranks)
         raise GroupNotFound(
             f"no group of at least {self.req.min_size} peers under key {self.req.key!r} within "
             f"{timeout:.1f} s ({attempts} attempt(s); {len(self._seen_match)} matching peer(s) "
@@ -256,6 +258,8 @@ class Matchmaker:
                 continue
             if decl.schema_hash != self.req.schema_hash:
                 self._seen_mismatch.add(peer_id)
+                if decl.ranks:
+                    self._mismatch_ranks[peer_id] = decl.ranks
                 continue
             self._seen_match.add(peer_id)
             self._declared_now.add(peer_id)

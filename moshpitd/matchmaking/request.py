@@ -25,6 +25,8 @@ class MatchRequest:
     # Without a grid, how long a complete-looking group must stay unchanged before it
     # assembles below its target: learnt by the node's SettlePolicy.
     settle_seconds: float = field(kw_only=True)
+    # a shard host's rank digests (declaration.rank_digests): its mismatches name a rank
+    rank_digests: bytes = b""
 
 
 # Alone this long on our line: nobody is coming to this round. A protocol constant: it covers a

@@ -1,4 +1,5 @@
-"""`make demo`, smaller: 3 daemons and trainers for a few epochs, one killed, one joining.
+"""`make demo`, smaller: 3 daemons and trainers for a few epochs, one killed, one joining;
+and `--per-host 2`: 2 daemons with 2 trainers each, every host averaging as one peer.
 
 The demo runs as `make demo` runs it (`python -m demo.run`), in its own process group, with its
 daemons' sockets and logs in a workdir of ours: every process it starts names that directory on
@@ -29,10 +30,11 @@ MEAN = re.compile(r"^mean final held-out accuracy of the 3 trainers at the end: 
                   re.M)
 
 
-def start_demo(workdir: Path, epochs: int) -> subprocess.Popen[str]:
+def start_demo(workdir: Path, epochs: int, *extra: str, world: int = WORLD
+               ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "demo.run", "--world", str(WORLD), "--epochs", str(epochs),
-         "--workdir", str(workdir), "--deadline", "100"],
+        [sys.executable, "-m", "demo.run", "--world", str(world), "--epochs", str(epochs),
+         "--workdir", str(workdir), "--deadline", "100", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
         preexec_fn=_default_sigint)
@@ -112,6 +114,35 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     mean = MEAN.search(out)
     assert mean, out[-4000:]
     assert float(mean.group(1)) > 0.93, mean.group(0)  # chance is 0.1; one epoch gives ~0.9
+
+
+PER_HOST_ROUND = re.compile(r"^\[rank 0\] round \d+ at step \d+/\d+: group of (\d+), "
+                            r"[0-9.]+ s, local ranks \[([0-9, ]+)\]$", re.M)
+
+
+def test_demo_per_host_averages_each_host_as_one_peer(tmp_path: Path) -> None:
+    """--per-host 2 --world 2: 4 trainers, 2 per daemon. Every round is a group of the 2 hosts
+    (4 if every trainer were its own peer), holding both local trainers' mean, and the last
+    round leaves one model on all four."""
+    workdir = tmp_path / "per-host"
+    demo = start_demo(workdir, 2, "--per-host", "2", world=2)
+    try:
+        out, _ = demo.communicate(timeout=120)
+    finally:
+        left = stop_demo(demo, workdir)
+    assert demo.returncode == 0, out[-4000:]
+    assert not left, left
+    rounds = PER_HOST_ROUND.findall(out)
+    assert len(rounds) >= 5, out[-4000:]
+    assert {size for size, _ in rounds} == {"2"}, rounds
+    # a replica later than the local deadline is left out of a round, not of every round
+    assert "0, 1" in {ranks for _, ranks in rounds}, rounds
+    hosts = re.findall(r"^\[rank [02]\] host (\d): (\d+) rounds under 'demo' as one peer, "
+                       r"group sizes \[2\]$", out, re.M)
+    assert sorted(h for h, _ in hosts) == ["0", "1"] and all(int(n) >= 5 for _, n in hosts), hosts
+    finals = re.findall(r"^trainer \d \(host [01]\): exit 0, final held-out accuracy "
+                        r"([0-9.]+)$", out, re.M)
+    assert len(finals) == 4 and len(set(finals)) == 1, finals  # one model on every trainer
 
 
 def test_demo_ctrl_c_stops_everything(tmp_path: Path) -> None:

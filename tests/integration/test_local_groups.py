@@ -4,13 +4,15 @@ SIGKILLed while it waits for the others."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import torch
 
 import moshpit
+from moshpit import device_copy
 from moshpitd.launcher import LocalSwarm
 from tests.integration.helpers import run_parallel, wait_until, weighted_mean
 from tests.integration.local_trainers import Trainer, context, diloco_trainer, wait_ranks
@@ -203,6 +205,25 @@ def test_disagreeing_shard_ranks_fail_the_host_naming_the_rank(hosts: LocalSwarm
                     else "is in the other mode: the group holds shards") in message
 
 
+def test_a_shard_shape_differing_across_hosts_names_the_rank(hosts: LocalSwarm) -> None:
+    """2 hosts x 2 shard ranks; host B's rank 1 holds its first tensor with another shape.
+    The hosts' vectors differ, and each host's ranks get SchemaMismatch naming rank 1 (the
+    first whose tensors differ from that rank's at the other host); nothing was sent."""
+    x = tensors(45)
+    odd = [x[1][:-1], x[2]]
+    split = {0: [x[:1], x[1:]], 1: [x[:1], odd]}
+    trainers = [Trainer(hosts.sockets[h], split[h][r], key="shard-shapes", local_world=2,
+                        local_rank=r, timeout=2 * ATTEMPT + 2) for h in (0, 1) for r in (0, 1)]
+    for t in trainers:
+        name, message, rank = t.failed()
+        assert name == "SchemaMismatch" and rank == 1, message
+        assert "local rank 1 of this host holds other tensors than local rank 1 of peer" in message
+    for socket in hosts.sockets:  # one round per host, which found no group: nothing sent
+        with moshpit.Client(socket) as c:
+            rounds = [r for r in c.rounds() if r["key"] == "shard-shapes"]
+        assert [(r["result"], r["bytes_sent"]) for r in rounds] == [("matchmaking_failed", 0)]
+
+
 @pytest.mark.parametrize("mode", ["replicas", "shards"])
 def test_diloco_optimizer_takes_local_world(hosts: LocalSwarm, mode: str) -> None:
     """moshpit.Optimizer passes local_world (and local_rank) through: DiLoCo with 2 hosts x 2
@@ -243,22 +264,80 @@ def test_share_refuses_device_tensors(hosts: LocalSwarm) -> None:
         c.share([torch.zeros(3), torch.empty(3, device="meta")])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="no CUDA device here: the CUDA path (device tensors copied through "
-                    "the shared buffer) is untested on this machine")
-def test_cuda_tensors_average_through_a_local_group(hosts: LocalSwarm) -> None:
+NO_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="torch.cuda.is_available() is false: no CUDA device "
+    "here, so the CUDA path (device tensors copied through the page-locked shared buffer on a "
+    "side stream, or a pinned staging buffer) is unverified on this machine")
+
+
+def cuda_round(hosts: LocalSwarm, key: str, first: Callable[[moshpit.Client, list[torch.Tensor]],
+               list[torch.Tensor]] | None = None
+               ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """3 trainers with CUDA tensors: two replicas on host A, one on host B. `first` makes the
+    first trainer's tensors from its inputs (share() them, say)."""
     inputs = [tensors(70 + i) for i in range(3)]
     clients = [moshpit.Client(hosts.sockets[i // 2]) for i in range(3)]
+    given = [[torch.from_numpy(a).cuda() for a in x] for x in inputs]
+    if first is not None:
+        given[0] = first(clients[0], given[0])
 
     def call(i: int) -> list[torch.Tensor]:
         local = {"local_world": 2} if i < 2 else {}
-        return clients[i].average([torch.from_numpy(a).cuda() for a in inputs[i]],
-                                  key="cuda", timeout=30, **local)
+        return clients[i].average(given[i], key=key, timeout=30, **local)
 
-    results = run_parallel([lambda i=i: call(i) for i in range(3)])
+    try:
+        results = run_parallel([lambda i=i: call(i) for i in range(3)])
+    finally:
+        for c in clients:
+            c.close()
     for out in results:
         assert not isinstance(out, Exception), out
         assert all(t.device.type == "cuda" for t in out)
         assert_mean([t.cpu().numpy() for t in out], inputs, [1.0, 1.0, 1.0])
-    for c in clients:
-        c.close()
+    return given, results
+
+
+@NO_CUDA
+def test_cuda_tensors_average_through_a_local_group(hosts: LocalSwarm) -> None:
+    given, results = cuda_round(hosts, "cuda")
+    for x, out in zip(given, results, strict=True):  # new tensors; the inputs untouched
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(x, out, strict=True))
+
+
+@NO_CUDA
+def test_cuda_tensors_from_share_are_averaged_in_place(hosts: LocalSwarm) -> None:
+    given, results = cuda_round(hosts, "cuda-share", lambda c, x: c.share(x))
+    assert all(a is b for a, b in zip(given[0], results[0], strict=True))
+
+
+@NO_CUDA
+def test_cuda_falls_back_to_staging_when_registering_fails(
+        hosts: LocalSwarm, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(device_copy, "register", lambda addr, size: 712)
+    monkeypatch.setattr(device_copy, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="moshpit"):
+        cuda_round(hosts, "cuda-staged")
+    assert sum("pinned staging buffer" in r.message for r in caplog.records) == 1
+
+
+@NO_CUDA
+def test_optimizer_averages_cuda_parameters(hosts: LocalSwarm) -> None:
+    """moshpit.Optimizer on CUDA parameters, one trainer per host, lr 0: after one round both
+    hold the weighted mean, still on the device (their wire buffers are on it too)."""
+    inputs = [tensors(80 + i)[0] for i in range(2)]
+    params = [torch.nn.Parameter(torch.from_numpy(x).cuda()) for x in inputs]
+    opts = [moshpit.Optimizer(torch.optim.SGD([p], lr=0.0), client=hosts.sockets[i],
+                              key="cuda-optimizer", average_every=1, timeout=30)
+            for i, p in enumerate(params)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    results = run_parallel([lambda i=i: opts[i].step(batch_size=i + 1) for i in range(2)])
+    assert not any(isinstance(r, Exception) for r in results), results
+    for opt, p in zip(opts, params, strict=True):
+        assert opt.rounds_done == 1, opt.last_error
+        assert p.device.type == "cuda" and all(w.device.type == "cuda"
+                                               for w in opt._wire[""])
+        np.testing.assert_allclose(p.detach().cpu().numpy(), weighted_mean(inputs, [1, 2]),
+                                   rtol=0, atol=1e-5 * float(np.abs(inputs).max()))
+        opt.close()

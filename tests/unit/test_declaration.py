@@ -7,12 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moshpitd.matchmaking.declaration import Declaration
+from moshpitd.matchmaking.declaration import (
+    MAX_RANK_DIGESTS,
+    RANK_DIGEST,
+    Declaration,
+    first_differing_rank,
+    rank_digests,
+)
+from moshpitd.matchmaking.errors import SchemaMismatch
 
 endpoints = st.text(max_size=256)
 amounts = st.floats(min_value=0, allow_infinity=False)
+digests = st.integers(0, MAX_RANK_DIGESTS).flatmap(
+    lambda n: st.binary(min_size=n * RANK_DIGEST, max_size=n * RANK_DIGEST))
 declarations = st.builds(Declaration, endpoints, st.binary(max_size=64), st.booleans(),
-                         endpoints, amounts, amounts, st.booleans())
+                         endpoints, amounts, amounts, st.booleans(), digests)
 
 
 @settings(max_examples=200, deadline=None)
@@ -75,7 +84,7 @@ def test_trailing_bytes_make_it_none(decl: Declaration, extra: bytes) -> None:
     assert Declaration.unpack(decl.pack() + extra) is None
 
 
-GOOD = [2, "host:1", b"h", False, "host:2", 1.0, 1.0, False]
+GOOD = [3, "host:1", b"h", False, "host:2", 1.0, 1.0, False, b""]
 
 
 def _with(index: int, value: object) -> list[object]:
@@ -94,10 +103,12 @@ def test_the_good_shape_unpacks() -> None:
     [
         GOOD[:4],  # the format-1 shape
         [1, "host:1", b"h", False],
-        GOOD[:7],  # too short
+        [2, *GOOD[1:8]],  # the format-2 shape
+        GOOD[:8],  # too short
         [*GOOD, 0],  # too long
         _with(0, 1),  # other format
-        _with(0, "2"),
+        _with(0, 2),
+        _with(0, "3"),
         _with(0, True),
         _with(1, b"host:1"),  # endpoint as bytes
         _with(1, 17),
@@ -118,6 +129,10 @@ def test_the_good_shape_unpacks() -> None:
         _with(6, -0.5),  # bandwidth
         _with(6, float("inf")),
         _with(7, 1),  # withdrawn as int
+        _with(8, b"abc"),  # rank digests: not whole digests
+        _with(8, b"\0" * RANK_DIGEST * (MAX_RANK_DIGESTS + 1)),  # too many
+        _with(8, None),
+        _with(8, [b"abcd"]),
         {"endpoint": "host:1"},
         "host:1",
         1,
@@ -147,3 +162,42 @@ def test_endpoint_length_limit_is_inclusive() -> None:
     assert Declaration.unpack(Declaration("x" * 256, b"").pack()) == Declaration("x" * 256, b"")
     assert Declaration.unpack(Declaration("x" * 257, b"").pack()) is None
 
+
+
+def test_the_declaration_of_a_big_shard_host_fits_a_dht_value() -> None:
+    """dht_max_value_bytes is 1 KiB by default: endpoints of ordinary length and the most rank
+    digests a declaration names still fit."""
+    ranks = rank_digests([[("float32", [i, 3])] for i in range(MAX_RANK_DIGESTS)])
+    assert len(ranks) == MAX_RANK_DIGESTS * RANK_DIGEST
+    decl = Declaration("[2001:db8::1]:40000", b"\1" * 32, False, "[2001:db8::1]:40001", 1.0,
+                       1.0, False, ranks)
+    assert len(decl.pack()) <= 1024
+    assert rank_digests([[("float32", [1])]] * (MAX_RANK_DIGESTS + 1)) == b""  # names none
+
+
+def test_the_first_differing_rank_is_named() -> None:
+    a = [[("float32", [4, 2])], [("float16", [7])], [("float32", [3])]]
+    b = [[("float32", [4, 2])], [("float16", [8])], [("float32", [3])]]
+    ours, theirs = rank_digests(a), rank_digests(b)
+    assert first_differing_rank(ours, theirs) == 1
+    assert first_differing_rank(ours, ours) is None
+    assert first_differing_rank(ours, b"") is None and first_differing_rank(b"", ours) is None
+    assert first_differing_rank(ours, rank_digests(a[:2])) == 2  # the peer has no rank 2
+    assert first_differing_rank(rank_digests(a[:2]), ours) is None  # we have no rank 2
+    # the same tensors split otherwise are other ranks' digests
+    assert first_differing_rank(rank_digests([a[0] + a[1], a[2]]), ours) == 0
+
+
+def test_schema_mismatch_names_the_smallest_rank_and_carries_it() -> None:
+    a = [[("float32", [4])], [("float32", [5])], [("float32", [6])]]
+    ours = rank_digests(a)
+    peers = {b"\x01" * 20: rank_digests([a[0], a[1], [("float32", [9])]]),
+             b"\x02" * 20: rank_digests([a[0], [("float64", [5])], a[2]]),
+             b"\x03" * 20: b""}
+    err = SchemaMismatch("they differ", ours, peers)
+    assert err.rank == 1 and err.extra == {"rank": 1}
+    assert str(err).startswith("local rank 1 of this host holds other tensors than local rank "
+                               "1 of peer 02020202")
+    assert str(err).endswith(": they differ")
+    plain = SchemaMismatch("they differ", b"", peers)
+    assert plain.rank is None and plain.extra == {} and str(plain) == "they differ"

@@ -12,6 +12,7 @@ from moshpitd.allreduce.codecs import CODECS
 from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, plan_parts
 from moshpitd.ipc.schema import aligned
 from moshpitd.local.shards import ShardView
+from moshpitd.matchmaking.declaration import RANK_DIGEST, first_differing_rank
 
 DTYPES = ["float16", "float32", "float64"]
 tensor_st = st.tuples(st.sampled_from(DTYPES), st.integers(0, 300))
@@ -81,3 +82,17 @@ def test_spans_are_cut_to_each_rank() -> None:
     spans = [(0, 5, 3), (5, 9, 1)]
     assert view.rank_spans(spans, 0) == ((0, 4, 3),)
     assert view.rank_spans(spans, 1) == ((0, 1, 3), (1, 5, 1))
+
+
+def test_rank_digests_tell_which_rank_differs() -> None:
+    """What a shard host declares: hosts that split alike differ at the rank that differs,
+    whatever their values."""
+    host = [[("float32", 10), ("float16", 3)], [("float64", 4)], [("float32", 7)]]
+    other = [list(r) for r in host]
+    other[1] = [("float64", 5)]
+    digests = [ShardView([buffer_with(r, seed)[0] for r in ranks]).rank_digests()
+               for seed, ranks in enumerate([host, host, other])]
+    assert len(digests[0]) == 3 * RANK_DIGEST
+    assert digests[0] == digests[1]  # other values, same tensors
+    assert first_differing_rank(digests[0], digests[2]) == 1
+    assert first_differing_rank(digests[2], digests[0]) == 1
