@@ -139,11 +139,9 @@ class Matchmaker:
             ttl = self._clock.deadline - time.monotonic()
             self._version = self.dht.next_version()
             self.leading.open()  # before anyone can read the declaration
-            # Declared while the first poll reads the key: a round trip less. Our store's
-            # datagrams leave first, so they reach the key's holders before any Join we send
-            # after that read (a leader checks our entry against this declaration).
-            packed = self.declaration.pack()
-            self.dht.check_record(self.req.key, self.me.peer_id, packed)
+            # Declared while the first poll reads the key: our store's datagrams leave first,
+            # so they reach the holders before any Join that follows the read (leaders vet it)
+            self.dht.check_record(self.req.key, self.me.peer_id, packed := self.declaration.pack())
             _own(asyncio.ensure_future(self.dht.store_sub(
                 self.req.key, self.me.peer_id, packed, ttl, version=self._version)))
             group = None
@@ -195,8 +193,7 @@ class Matchmaker:
                 return self._assemble()  # full: no need to look at the DHT first
             now = time.monotonic()
             # woken by a joiner, only our group changed: the DHT is read at the poll's timeout
-            read = read or await self._read()
-            candidates, line = read
+            candidates, line = read = read or await self._read()
             if self.probe is not None and self.leading.followers:
                 await self._probe_stragglers(candidates, now)
             candidates = [c for c in candidates if c.peer_id not in self._dead]
@@ -256,11 +253,11 @@ class Matchmaker:
     async def _read(self) -> tuple[list[Candidate], LineStatus | None]:
         """The key's declarations and the grid line's status, read side by side."""
         reading = asyncio.ensure_future(self._candidates())
-        try:
+        try:  # cancelled only if the line's read failed, or we were
             line = None if self.watcher is None else await self.watcher()
             return await reading, line
         finally:
-            reading.cancel()  # only if the line's read failed (or we were cancelled)
+            reading.cancel()
 
     async def _candidates(self) -> list[Candidate]:
         subs = await self.dht.get_subs(self.req.key, max_ttl=DECLARATION_TTL)
