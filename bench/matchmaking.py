@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.cli import exit_on_sigterm, print_columns
-from bench.procs import BenchError, Child, Children, child_env, cpu_seconds
+from bench.procs import BenchError, Child, Children, child_env
+from bench.usage import Usage
 
 GOAL_SECONDS = 0.1
 START_DELAY = 0.1  # go lines carry "start at now + this": enough for every worker to wake up
@@ -106,43 +107,12 @@ def p90(values: list[float]) -> float:
     return ordered[max(math.ceil(0.9 * len(ordered)) - 1, 0)]
 
 
-def machine_cpu_seconds() -> float:
-    """CPU seconds every process on the machine used so far (/proc/stat, all but idle)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
-
-
-def udp_datagrams() -> int:
-    """UDP datagrams received in this network namespace so far: the DHT's RPC traffic."""
-    with open("/proc/net/snmp") as f:
-        rows = [line.split() for line in f if line.startswith("Udp:")]
-    return int(rows[1][rows[0].index("InDatagrams")])
-
-
-class Usage:
-    """Wall time, daemon CPU, whole-machine CPU and UDP datagrams over one stretch of time:
-    daemons using about all the cores means the machine, not the protocol, sets the pace;
-    machine CPU well above daemon CPU means someone else was using the machine."""
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-        self.start = (time.time(), cpu_seconds(pids), machine_cpu_seconds(), udp_datagrams())
-
-    def stop(self, since: float | None = None) -> dict[str, float]:
-        now = (time.time(), cpu_seconds(self.pids), machine_cpu_seconds(), udp_datagrams())
-        wall = now[0] - (self.start[0] if since is None else since)
-        return {"wall_s": wall, "daemon_cpu_s": now[1] - self.start[1],
-                "daemon_cores": (now[1] - self.start[1]) / wall if wall > 0 else 0.0,
-                "machine_cores": (now[2] - self.start[2]) / wall if wall > 0 else 0.0,
-                "udp_datagrams": now[3] - self.start[3]}
-
-
 def run_call(workers: list[Child], requests: list[Request], timeout: float,
-             daemon_pids: list[int]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+             daemon_pids: list[int], metrics: list[str]
+             ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Release every worker at the same wall-clock instant; one reply from each, plus the
     resources used from that instant to the last reply."""
-    usage = Usage(daemon_pids)
+    usage = Usage(daemon_pids, metrics)
     at = time.time() + START_DELAY
     for w, req in zip(workers, requests, strict=True):
         w.send(json.dumps({**req, "at": at}))
@@ -204,19 +174,21 @@ def scenario(name: str, daemons: int, full: int, request: Callable[[int, int], R
             for w in workers:
                 w.recv(120.0)
             pids = [d.proc.pid for d in swarm.daemons]
+            metrics = [d.info["metrics"] for d in swarm.daemons]
             overall = Usage(pids)
             for call in range(1 + repeat):
                 if call == 1:
                     overall = Usage(pids)
                 replies, usage = run_call(
-                    workers, [request(call, i) for i in range(daemons)], timeout, pids)
+                    workers, [request(call, i) for i in range(daemons)], timeout, pids, metrics)
                 s = summarize_call(replies, full, usage)
                 calls.append(s)
                 label = "warm-up" if call == 0 else f"{call}/{repeat}"
                 _log(f"{name} {label}: mm {s.get('matchmaking_s', math.nan):.3f} s, call "
                      f"{s['call_s']:.3f} s, skew {1000 * s['skew_s']:.1f} ms (latest start "
                      f"{1000 * s['late_max_s']:.1f} ms late), daemon CPU "
-                     f"{s['daemon_cpu_s']:.2f} s, {s['udp_datagrams']} UDP datagrams, groups "
+                     f"{s['daemon_cpu_s']:.2f} s, {s['dht_datagrams_per_daemon_round']:.0f} DHT "
+                     "datagrams per daemon, groups "
                      f"{s.get('group_sizes')}" + (f", ERRORS {s['errors']}" if s["errors"]
                                                   else ""))
             timed_usage = overall.stop()
@@ -249,7 +221,8 @@ def scenario(name: str, daemons: int, full: int, request: Callable[[int, int], R
         # CPU over the timed calls as one stretch: /proc counts 10 ms ticks, too coarse per call
         "daemon_cores": timed_usage["daemon_cores"],
         "machine_cores": timed_usage["machine_cores"],
-        "udp_datagrams_median": round(statistics.median(c["udp_datagrams"] for c in timed)),
+        "dht_datagrams_per_daemon_median": statistics.median(
+            c["dht_datagrams_per_daemon_round"] for c in timed),
         "full_groups": sum(c["full"] for c in timed),
         "failed_calls": sum(bool(c["errors"]) for c in timed),
         # grid: peers of one call that ended in different rounds fell out of phase
@@ -269,7 +242,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             ("call_p90_s", "call p90 s"), ("warmup_mm", "warm-up mm s"),
             ("skew_median_s", "skew s"), ("daemon_cpu_median_s", "daemon cpu s"),
             ("daemon_cores", "daemon cores"), ("machine_cores", "machine cores"),
-            ("udp_datagrams_median", "udp dgrams"), ("full", "full groups")]
+            ("dht_datagrams_per_daemon_median", "dht dgrams"), ("full", "full groups")]
     for r in rows:
         r["warmup_mm"] = r["warmup"].get("matchmaking_s")
         r["full"] = f"{r['full_groups']}/{r['repeat']}"
@@ -280,8 +253,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "mm = daemon-reported matchmaking_seconds (request to group assembled); call = the whole",
         "Client.average. Per call the slowest peer's, then median / p90 (nearest rank) over the",
         "timed repeats; the warm-up (first) call is apart. skew = spread of the peers' start",
-        "instants; daemon cpu = CPU seconds all daemons used in a call; udp dgrams = UDP",
-        "datagrams received on the machine in a call (DHT RPCs); medians over repeats. daemon /",
+        "instants; daemon cpu = CPU seconds all daemons used in a call; dht dgrams = DHT",
+        "datagrams each daemon sent in a call (one round), from its moshpitd_dht_rpcs; medians",
+        "over repeats. daemon /",
         "machine cores = CPU time of the daemons / of the whole machine over the stretch of",
         f"timed calls, over its wall time (of {os.cpu_count()} cores; the gap is workers, this",
         "script and anything else running).",

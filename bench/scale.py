@@ -38,9 +38,10 @@ import torch
 
 import moshpit
 from bench.cli import exit_on_sigterm
-from bench.matchmaking import Usage, code_version
+from bench.matchmaking import code_version
 from bench.procs import BenchError, Children, child_env
 from bench.scale_report import GOAL_MB, print_report
+from bench.usage import Usage
 from moshpitd.launcher import LaunchError, LocalSwarm
 from moshpitd.matchmaking.grid import Grid, GridError
 
@@ -90,8 +91,9 @@ def memory_stats(pids: Sequence[int]) -> dict[str, Any]:
 Step = Callable[[int, moshpit.Client], Any]
 
 
-def run_peers(clients: list[moshpit.Client], step: Step, timeout: float,
-              pids: list[int]) -> tuple[list[Any], list[float], dict[str, float]]:
+def run_peers(clients: list[moshpit.Client], step: Step, timeout: float, pids: list[int],
+              metrics: Sequence[str] = (), rounds: int = 1
+              ) -> tuple[list[Any], list[float], dict[str, float]]:
     """step(i, client) on one thread per client, all released together by a barrier.
     Returns each peer's result (or the exception it raised), each peer's seconds, and the
     resources used from the release to the last peer done."""
@@ -113,7 +115,7 @@ def run_peers(clients: list[moshpit.Client], step: Step, timeout: float,
                for i in range(n)]
     for t in threads:
         t.start()
-    usage = Usage(pids)
+    usage = Usage(pids, metrics)
     barrier.wait()
     deadline = time.monotonic() + timeout + 30.0
     for t in threads:
@@ -123,7 +125,7 @@ def run_peers(clients: list[moshpit.Client], step: Step, timeout: float,
     if stuck:
         raise BenchError(f"{len(stuck)} peer(s) still inside average after {timeout + 30:.0f} s:"
                          f" {stuck[:8]}")
-    return results, seconds, usage.stop()
+    return results, seconds, usage.stop(rounds=rounds)
 
 
 def daemon_rounds(clients: list[moshpit.Client], prefix: str, since: float) -> dict[str, Any]:
@@ -167,7 +169,7 @@ def probe_client_process(swarm: LocalSwarm, elems: int, timeout: float) -> dict[
 
 
 def full_grid(clients: list[moshpit.Client], grid: Grid, elems: int, timeout: float,
-              pids: list[int]) -> dict[str, Any]:
+              pids: list[int], metrics: Sequence[str] = ()) -> dict[str, Any]:
     """rounds=d on a full grid from initial_coords: every peer must end at the global mean."""
     cells = list(grid.all_cells())
     tensors = [torch.randn(elems, generator=torch.Generator().manual_seed(i))
@@ -180,7 +182,7 @@ def full_grid(clients: list[moshpit.Client], grid: Grid, elems: int, timeout: fl
         return out, client.last_round
 
     since = time.time()
-    results, seconds, usage = run_peers(clients, step, timeout, pids)
+    results, seconds, usage = run_peers(clients, step, timeout, pids, metrics, grid.dims)
     ok = [r for r in results if not isinstance(r, Exception)]
     full = [info for _, info in ok if info is not None
             and list(info.group_sizes) == [grid.size] * grid.dims]
@@ -201,7 +203,8 @@ def full_grid(clients: list[moshpit.Client], grid: Grid, elems: int, timeout: fl
 
 
 def random_cells(clients: list[moshpit.Client], grid: Grid, elems: int, calls: int,
-                 timeout: float, pids: list[int]) -> dict[str, Any]:
+                 timeout: float, pids: list[int], metrics: Sequence[str] = ()
+                 ) -> dict[str, Any]:
     """No initial_coords: daemons choose cells themselves; one round per call. The MSE to the
     global mean, relative to the start, after each call shows how well they filled the grid."""
     n = len(clients)
@@ -223,7 +226,7 @@ def random_cells(clients: list[moshpit.Client], grid: Grid, elems: int, calls: i
             return out, client.last_round
 
         since = time.time()
-        results, seconds, usage = run_peers(clients, step, timeout, pids)
+        results, seconds, usage = run_peers(clients, step, timeout, pids, metrics)
         infos: list[moshpit.RoundInfo] = []
         for i, r in enumerate(results):
             if not isinstance(r, Exception):
@@ -296,10 +299,11 @@ def run(args: argparse.Namespace, grid: Grid) -> dict[str, Any]:
         with swarm:
             report["start_s"] = time.monotonic() - t0
             pids = [d.proc.pid for d in swarm.daemons]
+            metrics = [str(d.info["metrics"]) for d in swarm.daemons]
             _log(f"{args.max} daemons up in {report['start_s']:.1f} s ({swarm.workdir}); "
                  f"idle for {args.idle:.0f} s")
             try:
-                usage = Usage(pids)
+                usage = Usage(pids, metrics)
                 time.sleep(args.idle)
                 report["idle_usage"] = usage.stop()
                 report["idle_seconds"] = args.idle
@@ -314,14 +318,15 @@ def run(args: argparse.Namespace, grid: Grid) -> dict[str, Any]:
                 try:
                     if grid.cells == args.max:
                         report["full_grid"] = full_grid(clients, grid, args.elems, args.timeout,
-                                                        pids)
+                                                        pids, metrics)
                         _log(f"full grid: {report['full_grid']['wall_s']:.2f} s, max error "
                              f"{report['full_grid']['max_abs_error']}")
                     else:
                         _log(f"--max {args.max} != {grid.cells} cells: no full-grid check")
                     report["after_rounds"] = memory_stats(pids)
                     report["random_cells"] = random_cells(clients, grid, args.elems,
-                                                          args.calls, args.timeout, pids)
+                                                          args.calls, args.timeout, pids,
+                                                          metrics)
                     report["after_rounds"] = memory_stats(pids)
                 finally:
                     for c in clients:

@@ -35,7 +35,7 @@ def print_report(r: dict[str, Any]) -> None:
           f"MemAvailable {r['mem_available_before_mb']:.0f} -> "
           f"{idle['mem_available_mb']:.0f} MB")
     print(f"  idle swarm CPU: {r['idle_usage']['daemon_cores']:.2f} cores, "
-          f"{r['idle_usage']['udp_datagrams'] / r['idle_usage']['wall_s']:.0f} UDP datagrams/s")
+          f"{r['idle_usage']['dht_datagrams'] / r['idle_usage']['wall_s']:.0f} DHT datagrams/s")
     if r.get("client_process"):
         c = r["client_process"]
         print(f"\none trainer-like client process (python+torch+moshpit): RSS "
@@ -49,7 +49,7 @@ def print_report(r: dict[str, Any]) -> None:
               f"{g['call_median_s']:.2f} s); per-round matchmaking median "
               f"{fmt(g['round_mm_median_s'], 3)} s, max {fmt(g['round_mm_max_s'], 3)} s")
         print(f"  daemons busy {g['daemon_cores']:.2f} cores (machine {g['machine_cores']:.2f}),"
-              f" {g['udp_datagrams']} UDP datagrams")
+              f" {g['dht_datagrams_per_daemon_round']:.0f} DHT datagrams per daemon per round")
         print(f"  peers with full groups in all rounds: {g['peers_all_rounds_full']}/{n}; "
               f"daemon round results {g['results']}; last round per peer {g['last_rounds']}")
         print(f"  max |peer - global mean| = {fmt(g['max_abs_error'], 9)} -> "
@@ -60,12 +60,13 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"\nwithout initial_coords (emptiest cells): {rc['cells_occupied']} of "
               f"{rc['cells']} cells taken (at most {rc['max_per_cell']} per cell), one round "
               "per call:")
-        head = ("call", "MSE/initial", "wall s", "round mm med/max s", "cores", "rounds",
-                "group sizes", "daemon results", "errors")
+        head = ("call", "MSE/initial", "wall s", "round mm med/max s", "cores", "dht dgrams",
+                "rounds", "group sizes", "daemon results", "errors")
         rows = [head] + [(
             str(c["call"]), f"{c['mse_ratio']:.3g}", f"{c['wall_s']:.2f}",
             f"{fmt(c['round_mm_median_s'], 2)}/{fmt(c['round_mm_max_s'], 2)}",
-            f"{c['daemon_cores']:.2f}", ",".join(map(str, c["rounds"])),
+            f"{c['daemon_cores']:.2f}", f"{c['dht_datagrams_per_daemon_round']:.0f}",
+            ",".join(map(str, c["rounds"])),
             " ".join(f"{k}:{v}" for k, v in c["group_sizes"].items()),
             " ".join(f"{k}:{v}" for k, v in c["results"].items()), str(len(c["errors"])))
             for c in rc["calls"]]
@@ -73,7 +74,8 @@ def print_report(r: dict[str, Any]) -> None:
         for row in rows:
             print("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
         print(f"  drift of the global mean: {rc['mean_drift']:.2e} (group sizes: size:peers; "
-              "cores: daemon CPU over the call)")
+              "cores: daemon CPU over the call; dht dgrams: DHT datagrams each daemon sent per "
+              "round)")
     if r.get("stop"):
         s = r["stop"]
         print(f"\nstopped in {s['seconds']:.1f} s; exit codes {s['codes']}")

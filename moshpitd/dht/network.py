@@ -82,6 +82,7 @@ class DHTNode(Server):
         self.verifier = RecordVerifier()
         self._last_version = 0
         self._nearest_cache: dict[bytes, tuple[float, list[Node]]] = {}
+        self._crawling: dict[bytes, asyncio.Future[list[Node]]] = {}
 
     def _create_protocol(self) -> SubkeyProtocol:
         return self.protocol_class(self.node, self.storage, self.ksize, self.rpc_timeout,
@@ -138,22 +139,33 @@ class DHTNode(Server):
         return self._last_version
 
     async def _nearest(self, dkey: bytes) -> list[Node]:
-        """The k nodes closest to a key. A swarm smaller than k is wholly in our routing table,
-        so no crawl is needed; otherwise crawl, and reuse the answer for a while."""
+        """The `replicas` nodes closest to a key. A swarm smaller than k is wholly in our
+        routing table, so no crawl is needed; otherwise crawl, once for callers at the same
+        moment (a declaration's store and the first read of its key), and reuse the answer
+        for a while."""
         router = self.protocol.router
         node = Node(dkey)
         if self.peer_count() < self.ksize:
-            return list(router.find_neighbors(node))
+            return self.protocol.closest(node)
         cached = self._nearest_cache.get(dkey)
         now = time.monotonic()
         if cached is not None and cached[0] > now:
             return [n for n in cached[1] if not router.is_new_node(n)]  # drop the unreachable
-        nearest = router.find_neighbors(node)
+        crawling = self._crawling.get(dkey)
+        if crawling is None:
+            crawling = asyncio.ensure_future(self._crawl(node))
+            self._crawling[dkey] = crawling
+            crawling.add_done_callback(lambda _: self._crawling.pop(dkey, None))
+        return list(await asyncio.shield(crawling))
+
+    async def _crawl(self, node: Node) -> list[Node]:
+        nearest = self.protocol.router.find_neighbors(node)
         if not nearest:
             return []
-        spider = NodeSpiderCrawl(self.protocol, node, nearest, self.ksize, self.alpha)
+        spider = NodeSpiderCrawl(self.protocol, node, nearest, self.protocol.replicas,
+                                 self.alpha)
         found: list[Node] = await spider.find()
-        self._nearest_cache[dkey] = (now + NEAREST_CACHE_SECONDS, found)
+        self._nearest_cache[bytes(node.id)] = (time.monotonic() + NEAREST_CACHE_SECONDS, found)
         if len(self._nearest_cache) > 1024:
             self._nearest_cache.clear()
         return found
@@ -179,16 +191,21 @@ class DHTNode(Server):
         return [t.result() if t.done() and not t.cancelled() and t.exception() is None
                 else None for t in tasks]
 
-    async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float,
-                        version: int | None = None) -> int:
-        """Sign our record and store it on the k closest nodes and locally; returns how many
-        copies were accepted. Only our own subkey (our peer id) is ours to write."""
+    def check_record(self, key: str, subkey: bytes, value: bytes) -> None:
+        """Raise DHTError if store_sub would refuse this record (so a caller that stores in
+        the background still fails at once)."""
         if subkey != self.peer_id:
             raise DHTError(f"subkey {subkey.hex()} is not this daemon's peer id: a record is "
                            "signed by its writer, so a daemon writes under its own id only")
         if len(value) > self.storage.max_value_bytes:
             raise DHTError(f"a record of {len(value)} bytes under {key!r} exceeds "
                            f"dht_max_value_bytes={self.storage.max_value_bytes}")
+
+    async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float,
+                        version: int | None = None) -> int:
+        """Sign our record and store it on the closest nodes and locally; returns how many
+        copies were accepted. Only our own subkey (our peer id) is ours to write."""
+        self.check_record(key, subkey, value)
         dkey = digest(key)
         version = self.next_version() if version is None else version
         proof = sign(self.identity, dkey, value, version, ttl)
@@ -209,7 +226,7 @@ class DHTNode(Server):
     def local_subs(self, key: str, max_ttl: float | None = None, live_only: bool = True
                    ) -> dict[bytes, SubRecord]:
         """The records under `key` that this node holds as a replica (each verified when it
-        was stored), with no lookup: in a swarm of fewer than k daemons, every record."""
+        was stored), with no lookup: every record under keys it is among the closest to."""
         out = {}
         for sk, (rec, ttl) in self.storage.signed(digest(key)).items():
             if rec.proof is not None and (max_ttl is None or rec.proof.ttl <= max_ttl):
@@ -217,7 +234,7 @@ class DHTNode(Server):
         return {sk: r for sk, r in out.items() if r.value and r.ttl > 0} if live_only else out
 
     async def get_subs(self, key: str, max_ttl: float | None = None) -> dict[bytes, SubRecord]:
-        """Ask every one of the k closest nodes and merge (highest version wins per subkey).
+        """Ask every one of the closest nodes and merge (highest version wins per subkey).
         Only records their writers signed are merged. `max_ttl`: the longest lifetime a
         record of this kind has; one signed for longer (a version dated far back that would
         still be alive) is ignored."""

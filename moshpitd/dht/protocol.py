@@ -29,6 +29,12 @@ MISSES_TO_DROP = 2
 WELCOME_RATE = 5.0  # new contacts per second that get the records they should hold
 WELCOME_BURST = 50
 ID_BYTES = 20
+# Copies of each record: the writer's own, plus one on each of the REPLICAS nodes closest to
+# its key. Every lookup and every store asks those nodes, so each costs 2 * REPLICAS datagrams
+# whatever the swarm's size (kademlia's k = 20 made every store in a swarm of 16 reach all 15
+# others). Records here live seconds (declarations) or are rewritten every round (grid-run
+# entries), so three holders outlast the failures a round must survive.
+REPLICAS = 3
 
 
 def _is_id(value: object) -> bool:
@@ -41,8 +47,10 @@ class SubkeyProtocol(KademliaProtocol):
     def __init__(
         self, source_node: Node, storage: SubkeyStorage, ksize: int, wait_timeout: float,
         auth: SwarmKey | None = None, verifier: RecordVerifier | None = None,
+        replicas: int = REPLICAS,
     ) -> None:
         super().__init__(source_node, storage, ksize)
+        self.replicas = replicas
         self._wait_timeout = wait_timeout
         self.auth = auth
         self.verifier = verifier or RecordVerifier()
@@ -218,6 +226,12 @@ class SubkeyProtocol(KademliaProtocol):
             del self._misses[nid]
         return super().handle_call_response(result, node)
 
+    def closest(self, node: Node) -> list[Node]:
+        """The `replicas` contacts closest to a key. kademlia's find_neighbors stops at the
+        first k nodes it walks, in bucket order, so it is asked for a whole bucket's worth and
+        the nearest are taken from those."""
+        return list(self.router.find_neighbors(node))[:self.replicas]
+
     def welcome_if_new(self, node: Node) -> None:
         """Hand a newcomer the subkey records it is now among the closest holders of."""
         if node.id == self.source_node.id:  # ourselves, e.g. via a name that lists us too
@@ -238,7 +252,7 @@ class SubkeyProtocol(KademliaProtocol):
         self._welcome_tokens -= 1
         for key in self.storage.sub_keys():
             keynode = Node(key)
-            neighbors = self.router.find_neighbors(keynode)
+            neighbors = self.closest(keynode)
             if neighbors:
                 new_close = node.distance_to(keynode) < neighbors[-1].distance_to(keynode)
                 we_closest = self.source_node.distance_to(keynode) < neighbors[0].distance_to(

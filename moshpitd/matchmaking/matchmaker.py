@@ -45,11 +45,16 @@ Probe = Callable[[str], Awaitable[bool]]
 
 log = logging.getLogger(__name__)
 
-_BACKGROUND: set[asyncio.Task[None]] = set()  # withdrawals in flight, owned until done
+_BACKGROUND: set[asyncio.Future[Any]] = set()  # declarations and withdrawals in flight
+
+
+def _own(task: asyncio.Future[Any]) -> None:
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 async def wait_background() -> None:
-    """Let withdrawals in flight reach the DHT (a draining daemon waits for them)."""
+    """Let declarations and withdrawals in flight reach the DHT (a draining daemon waits)."""
     if _BACKGROUND:
         await asyncio.gather(*list(_BACKGROUND), return_exceptions=True)
 
@@ -134,8 +139,11 @@ class Matchmaker:
             ttl = self._clock.deadline - time.monotonic()
             self._version = self.dht.next_version()
             self.leading.open()  # before anyone can read the declaration
-            await self.dht.store_sub(self.req.key, self.me.peer_id, self.declaration.pack(), ttl,
-                                     version=self._version)
+            # Declared while the first poll reads the key: our store's datagrams leave first,
+            # so they reach the holders before any Join that follows the read (leaders vet it)
+            self.dht.check_record(self.req.key, self.me.peer_id, packed := self.declaration.pack())
+            _own(asyncio.ensure_future(self.dht.store_sub(
+                self.req.key, self.me.peer_id, packed, ttl, version=self._version)))
             group = None
             try:
                 group = await self._attempt(final)
@@ -164,9 +172,7 @@ class Matchmaker:
         """In the background: a dead DHT node must not delay the round that follows."""
         # the tombstone's version is taken now: it must rank below the next attempt's
         # declaration, which may reach the DHT before this task does
-        task = asyncio.ensure_future(self._withdraw(self.dht.next_version()))
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+        _own(asyncio.ensure_future(self._withdraw(self.dht.next_version())))
 
     async def _withdraw(self, version: int) -> None:
         try:
@@ -179,19 +185,19 @@ class Matchmaker:
     async def _attempt(self, final: float) -> Group | None:
         tried: dict[bytes, float] = {}  # candidate -> when we may ask it again
         poll = MIN_POLL
+        read: tuple[list[Candidate], LineStatus | None] | None = None
         while True:
             if self.assembled.done():
                 return self.assembled.result()
             if self.leading.accepting and self.policy.full(len(self.leading.followers)):
                 return self._assemble()  # full: no need to look at the DHT first
             now = time.monotonic()
-            candidates = await self._candidates()
+            # woken by a joiner, only our group changed: the DHT is read at the poll's timeout
+            candidates, line = read = read or await self._read()
             if self.probe is not None and self.leading.followers:
                 await self._probe_stragglers(candidates, now)
             candidates = [c for c in candidates if c.peer_id not in self._dead]
-            line = None
-            if self.watcher is not None:
-                line = await self.watcher()
+            if line is not None:
                 # a line-mate found dead (its declaration outlives it) is not waited for
                 self.expected = line.expected - self._dead
                 self.settled = line.settled
@@ -229,7 +235,7 @@ class Matchmaker:
                     await self._wake.wait()
                 poll = MIN_POLL
             except TimeoutError:
-                poll = min(poll * POLL_BACKOFF, MAX_POLL)
+                poll, read = min(poll * POLL_BACKOFF, MAX_POLL), None
 
     def _assemble(self) -> Group:
         group = self.leading.assemble()
@@ -243,6 +249,15 @@ class Matchmaker:
                     accepting=self.leading.accepting, following=self.leading.following is not None,
                     expected=self.expected, settled=self.settled,
                     gone=frozenset(self._seen_match - self._declared_now), line=line)
+
+    async def _read(self) -> tuple[list[Candidate], LineStatus | None]:
+        """The key's declarations and the grid line's status, read side by side."""
+        reading = asyncio.ensure_future(self._candidates())
+        try:  # cancelled only if the line's read failed, or we were
+            line = None if self.watcher is None else await self.watcher()
+            return await reading, line
+        finally:
+            reading.cancel()
 
     async def _candidates(self) -> list[Candidate]:
         subs = await self.dht.get_subs(self.req.key, max_ttl=DECLARATION_TTL)

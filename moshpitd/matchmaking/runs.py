@@ -10,6 +10,7 @@ alone on its line keeps its value without waiting for nobody).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections import Counter
@@ -46,7 +47,12 @@ SETTLE_SECONDS = 0.3  # s
 # may still be starting (bootstrapping the DHT, choosing a cell) and not have declared yet.
 FIRST_GRACE = 1.0  # s
 
+# Our own entry, unchanged, is not stored again before this: a round's end already stored the
+# round the next plan declares, and the entry lives ENTRY_TTL.
+REFRESH_AFTER = ENTRY_TTL / 3
 Probe = Callable[[str], Awaitable[bool]]
+
+log = logging.getLogger(__name__)
 
 
 class GridMismatch(MatchmakingError):
@@ -104,6 +110,9 @@ class RunDirectory:
         self.coords: Coords | None = None
         self.round = 0
         self.rounds_done = 0
+        self._stored: tuple[PeerEntry, float] | None = None  # our entry and when it was stored
+        self._storing: asyncio.Future[None] | None = None  # a round's end, stored meanwhile
+        self._planned: tuple[int, dict[bytes, PeerEntry]] | None = None  # the plan's read
 
     @property
     def key(self) -> str:
@@ -149,6 +158,7 @@ class RunDirectory:
                                 [(self.coords if e.joining else e.coords, e.round)
                                  for e in peers.values()])
         await self.declare()
+        self._planned = (self.round, peers)
         return RoundPlan(self.round, self.grid.group_key(self.run, self.round, self.coords),
                          self._line_status(peers, self.round).expected)
 
@@ -166,9 +176,13 @@ class RunDirectory:
         Line-mates are probed once per round; a dead one (killed, its record not yet expired)
         is not waited for."""
         probed: set[bytes] = set()
+        # the first poll takes the plan's read, made moments before for this very round
+        first = self._planned[1] if self._planned and self._planned[0] == round_ else None
+        self._planned = None
 
         async def watch() -> LineStatus:
-            peers = await self.peers()
+            nonlocal first
+            peers, first = (first, None) if first is not None else (await self.peers(), None)
             status = self._line_status(peers, round_)
             now = time.monotonic()
             fresh = [p for p in status.expected if p not in probed and peers[p].endpoint]
@@ -222,15 +236,41 @@ class RunDirectory:
         return peers
 
     async def declare(self, joining: bool = False) -> None:
+        await self._stored_meanwhile()
+        await self._store(joining)
+
+    async def _stored_meanwhile(self) -> None:
+        if self._storing is not None:
+            await asyncio.shield(self._storing)
+
+    async def _store(self, joining: bool = False) -> None:
+        """Store our entry, unless the same one was stored lately and reached another node."""
         assert self.coords is not None
         entry = PeerEntry(self.grid, self.coords, self.round, joining, self.endpoint)
-        await self.dht.store_sub(self.key, self.peer_id, entry.pack(), ENTRY_TTL)
+        now = time.monotonic()
+        if self._stored is not None and self._stored[0] == entry \
+                and now - self._stored[1] < REFRESH_AFTER:
+            return
+        copies = await self.dht.store_sub(self.key, self.peer_id, entry.pack(), ENTRY_TTL)
+        self._stored = (entry, now) if copies > 1 or self.dht.peer_count() == 0 else None
 
     async def finish(self, round_: int) -> None:
-        """Members leave a round at r + 1, whatever became of it."""
+        """Members leave a round at r + 1, whatever became of it. Stored in the background:
+        the trainer need not wait a round trip for it; the next plan or leave waits for it."""
         self.round = max(self.round, round_ + 1)
         self.rounds_done += 1
-        await self.declare()
+        await self._stored_meanwhile()
+        self._storing = asyncio.ensure_future(self._declare_quietly())
+
+    async def _declare_quietly(self) -> None:
+        try:
+            await self._store()
+        except Exception as exc:  # the entry expires by itself; the next round stores it
+            log.debug("%s: storing our entry failed: %r", self.key, exc)
+        finally:
+            self._storing = None
 
     async def leave(self) -> None:
+        await self._stored_meanwhile()
+        self._stored = None
         await self.dht.withdraw_sub(self.key, self.peer_id)
