@@ -3,7 +3,6 @@ systems each scenario runs, and the per-trainer sync seconds."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from bench.swarm import metrics
