@@ -218,7 +218,10 @@ def syncs(record: dict[str, Any]) -> dict[str, float]:
     bad = [e for e in every if not (e.get("ok") and int(e.get("group_size", 2)) >= 2)]
     seconds = [float(e.get("seconds", 0.0)) for e in ok]
     trainers = max(1, record["config"]["hosts"] * record.get("trainers_per_host", 1))
+    local = [e for e in every if e.get("ok") and "local_ranks" in e]
+    full = [e for e in local if len(e["local_ranks"]) == record.get("trainers_per_host", 1)]
     return {"syncs_ok": len(ok), "syncs_failed": len(bad),
+            "local_rounds": len(local), "local_rounds_full": len(full),
             "sync_seconds_mean": float(np.mean(seconds)) if seconds else math.nan,
             "sync_seconds_per_host": float(np.sum(seconds)) / trainers,
             "group_size_mean": float(np.mean([e.get("group_size", 0) for e in ok]))

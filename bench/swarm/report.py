@@ -147,6 +147,10 @@ def write(out: Path, results: dict[str, Any]) -> str:
                 parts.append(f"\n{row['system']}: final models of {agree['hosts']} hosts "
                              f"{'agree' if agree['agree'] else 'DIFFER'} "
                              f"(max |diff| {agree['max_abs_diff']:.2e})")
+            if row.get("local_rounds"):
+                parts.append(f"\n{row['system']}: every trainer of its host took part in "
+                             f"{row['local_rounds_full']} of {row['local_rounds']} rounds' "
+                             "local reduce (per trainer, rounds that succeeded)")
             for message in row["errors"][:3]:
                 parts.append(f"\n{row['system']} error: {message}")
     text = "\n".join(parts) + "\n"

@@ -56,9 +56,12 @@ def round_fields(opt: moshpit.Optimizer) -> dict[str, Any]:
     info = opt.last_round
     if info is None:
         return {}
-    return {"group_size": info.group_size, "group_sizes": list(info.group_sizes),
-            "round_seconds": info.seconds,
-            "matchmaking_seconds": info.matchmaking_seconds, "bytes_sent": info.bytes_sent}
+    fields = {"group_size": info.group_size, "group_sizes": list(info.group_sizes),
+              "round_seconds": info.seconds,
+              "matchmaking_seconds": info.matchmaking_seconds, "bytes_sent": info.bytes_sent}
+    if info.local_ranks:  # moshpit-local: the host's trainers whose values it sent
+        fields["local_ranks"] = list(info.local_ranks)
+    return fields
 
 
 def run(spec: WorkerSpec, events: Events) -> None:
