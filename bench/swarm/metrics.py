@@ -221,6 +221,7 @@ def syncs(record: dict[str, Any]) -> dict[str, float]:
     local = [e for e in every if e.get("ok") and "local_ranks" in e]
     full = [e for e in local if len(e["local_ranks"]) == record.get("trainers_per_host", 1)]
     return {"syncs_ok": len(ok), "syncs_failed": len(bad),
+            "syncs_partial": sum(1 for e in ok if e.get("fully_averaged") is False),
             "local_rounds": len(local), "local_rounds_full": len(full),
             "sync_seconds_mean": float(np.mean(seconds)) if seconds else math.nan,
             "sync_seconds_per_host": float(np.sum(seconds)) / trainers,

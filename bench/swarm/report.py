@@ -144,9 +144,14 @@ def write(out: Path, results: dict[str, Any]) -> str:
         for row in scen["rows"]:
             agree = row.get("final_models")
             if agree:
-                parts.append(f"\n{row['system']}: final models of {agree['hosts']} hosts "
+                who = "trainers" if row.get("trainers_per_host", 1) > 1 else "hosts"
+                parts.append(f"\n{row['system']}: final models of {agree['hosts']} {who} "
                              f"{'agree' if agree['agree'] else 'DIFFER'} "
                              f"(max |diff| {agree['max_abs_diff']:.2e})")
+            if row.get("syncs_partial"):
+                parts.append(f"\n{row['system']}: {row['syncs_partial']} of {row['syncs_ok']} "
+                             "ok syncs were partial (a part's owner missed the round's deadline:"
+                             " its elements kept local values)")
             if row.get("local_rounds"):
                 parts.append(f"\n{row['system']}: every trainer of its host took part in "
                              f"{row['local_rounds_full']} of {row['local_rounds']} rounds' "

@@ -58,7 +58,9 @@ def round_fields(opt: moshpit.Optimizer) -> dict[str, Any]:
         return {}
     fields = {"group_size": info.group_size, "group_sizes": list(info.group_sizes),
               "round_seconds": info.seconds,
-              "matchmaking_seconds": info.matchmaking_seconds, "bytes_sent": info.bytes_sent}
+              "matchmaking_seconds": info.matchmaking_seconds, "bytes_sent": info.bytes_sent,
+              # False: a part's owner failed and its elements kept this peer's values
+              "fully_averaged": info.fully_averaged}
     if info.local_ranks:  # moshpit-local: the host's trainers whose values it sent
         fields["local_ranks"] = list(info.local_ranks)
     return fields
