@@ -22,7 +22,7 @@ from netlab.links import HOST_IFACE, LinkSpec, NetnsError, nft_rules, parse_rate
 if TYPE_CHECKING:
     from moshpitd.launcher import DaemonProcess
 
-DHT_PORT, GRPC_PORT, DATA_PORT = 7700, 7701, 7702  # one daemon per namespace: fixed ports
+DHT_PORT, GRPC_PORT, DATA_PORT = 7700, 7701, 7702  # a namespace's first daemon
 DELAYER = Path(__file__).resolve().with_name("delayer.py")  # run as a script in namespaces
 
 
@@ -211,10 +211,14 @@ class Topology:
 
     def start_daemon(self, host: Host, bootstrap: Sequence[Host] = (),
                      extra_args: Sequence[str] = (), wait: bool = True,
-                     name: str | None = None) -> DaemonProcess:
+                     name: str | None = None,
+                     ports: tuple[int, int, int] = (DHT_PORT, GRPC_PORT, DATA_PORT)
+                     ) -> DaemonProcess:
         """moshpitd in the host's namespace (and cgroup) on its address (DHT 7700/udp, gRPC
-        7701, data 7702); its IPC socket and ready file live in the workdir, so trainers in the
-        root namespace reach it. Its log is `<workdir>/<name>.log` (name: h<i>)."""
+        7701, data 7702 unless `ports` says otherwise: a second daemon of the host needs its
+        own); its IPC socket and ready file live in the workdir, so trainers in the root
+        namespace reach it. Its log is `<workdir>/<name>.log` (name: h<i>). It bootstraps
+        from the first daemon (DHT 7700) of each `bootstrap` host."""
         from moshpitd.launcher import DaemonProcess, wait_ready
 
         name = name or f"h{host.index}"
@@ -222,10 +226,11 @@ class Topology:
         ready.unlink(missing_ok=True)
         sock = self.workdir / f"{name}.sock"
         sock.unlink(missing_ok=True)
+        dht, grpc, data = ports
         args = [
             sys.executable, "-m", "moshpitd",
-            "--dht-listen", f"{host.ip}:{DHT_PORT}", "--grpc-listen", f"{host.ip}:{GRPC_PORT}",
-            "--data-port", str(DATA_PORT), "--metrics-listen", "127.0.0.1:0",
+            "--dht-listen", f"{host.ip}:{dht}", "--grpc-listen", f"{host.ip}:{grpc}",
+            "--data-port", str(data), "--metrics-listen", "127.0.0.1:0",
             "--ipc-socket", str(sock), "--ready-file", str(ready),
             "--peer-key-file", str(self.workdir / f"{name}.peer.key"),
             *(["--bootstrap", ",".join(f"{b.ip}:{DHT_PORT}" for b in bootstrap)]

@@ -17,6 +17,7 @@ LONGEST_FIRST = (
     "tests/integration/test_swarm_smoke.py",  # ~250 s
     "tests/integration/test_fuzz_ipc.py",  # ~195 s
     "tests/integration/test_join.py",  # ~160 s
+    "tests/integration/test_swarm_multi_smoke.py",  # ~70 s (150 s at load 8)
     "tests/integration/test_optimizer.py",  # ~140 s
     "tests/integration/test_demo.py",  # ~125 s
     "tests/integration/test_fuzz_grpc.py",  # ~80 s

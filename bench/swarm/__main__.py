@@ -6,6 +6,8 @@ written. Needs root (network namespaces, tc, nftables, cgroups) and, for the hiv
     python -m bench.swarm                        # lan, wan, churn; all systems
     python -m bench.swarm --scenario wan --systems moshpit,ddp --budget 60
     python -m bench.swarm --smoke                # 4 hosts, tiny model, ~25 s per system
+    python -m bench.swarm --scenario multi --budget 120   # 2 trainers per host: moshpit-local
+                                                          # against moshpit-each
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from bench.swarm import metrics, report
 from bench.swarm.orchestrator import PEERS_PYTHON, SYSTEMS, RunConfig, SystemRun
 from bench.swarm.scenario import DEFAULT_SCENARIOS, Scenario, ScenarioError, load
-from bench.swarm.systems import SMOKE_SYSTEMS
+from bench.swarm.systems import MULTI_TRAINER_SYSTEMS, SINGLE_TRAINER_SYSTEMS, SMOKE_SYSTEMS
 from netlab import Topology, missing_prerequisites
 
 
@@ -42,7 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, help="seconds of training per system (default: "
                    "the scenario's; --smoke: 25)")
     p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: "
-                   f"all; --smoke: {', '.join(SMOKE_SYSTEMS)})")
+                   f"{', '.join(SINGLE_TRAINER_SYSTEMS)}; --smoke: {', '.join(SMOKE_SYSTEMS)}; "
+                   "a scenario with several trainers per host runs only "
+                   f"{', '.join(MULTI_TRAINER_SYSTEMS)})")
     p.add_argument("--target", type=float,  # argparse %-formats help: escape the rule's %
                    help="target loss (default: " + report.TARGET_RULE.replace("%", "%%") + ")")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
@@ -76,9 +80,9 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    chosen = args.systems or ",".join(SMOKE_SYSTEMS if args.smoke else SYSTEMS)
-    systems = [s.strip() for s in chosen.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    chosen = None if args.systems is None else [
+        s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in chosen or [] if s not in SYSTEMS]
     if unknown:
         print(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
@@ -86,18 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"cannot run the benchmark: {problem}", file=sys.stderr)
         return 2
-    skipped = {}
-    if any(s.startswith("hivemind") for s in systems) and not PEERS_PYTHON.exists():
-        reason = f"{PEERS_PYTHON} missing: `make peers` installs hivemind 1.1.12"
-        skipped = {s: reason for s in systems if s.startswith("hivemind")}
-        systems = [s for s in systems if s not in skipped]
-        print(f"skipping {', '.join(skipped)}: {reason}", file=sys.stderr)
     names = args.scenario or (["lan"] if args.smoke else list(DEFAULT_SCENARIOS))
     try:
         scenarios = [load(n) for n in names]
     except ScenarioError as exc:
         print(f"bad scenario: {exc}", file=sys.stderr)
         return 2
+    plan, skipped = plan_systems(scenarios, chosen, args.smoke)
     out = args.out or Path(tempfile.mkdtemp(prefix="moshpit-swarm-"))
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.swarm " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             print("--report-only needs --out (a directory of an earlier run)", file=sys.stderr)
             return 2
-        records, configs = load_records(out, scenarios, systems)
+        records, configs = load_records(out, scenarios, plan)
         scenarios = [s for s in scenarios if s.name in configs]
     for scenario in [] if args.report_only else scenarios:
         cfg = config_for(scenario, args, out)
@@ -122,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         with Topology(cfg.hosts, out / scenario.name / "net", links=scenario.links_for(cfg.hosts),
                       cpu_cores=cfg.cpu_cores) as topo:
-            for system in systems:
-                say(f"[{scenario.name}/{system}] {cfg.hosts} hosts, {cfg.budget_s:g} s, model "
-                    f"{cfg.model}, {cfg.cpu_cores:g} cores per host")
+            for system in plan[scenario.name]:
+                say(f"[{scenario.name}/{system}] {cfg.hosts} hosts x {cfg.trainers_per_host} "
+                    f"trainers, {cfg.budget_s:g} s, model {cfg.model}, {cfg.cpu_cores:g} cores "
+                    "per host")
                 run = SystemRun(topo, scenario, system, cfg,
                                 functools.partial(say_as, f"[{scenario.name}/{system}]"))
                 try:
@@ -150,11 +150,39 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def load_records(out: Path, scenarios: list[Scenario], systems: list[str]
+def plan_systems(scenarios: list[Scenario], chosen: list[str] | None, smoke: bool
+                 ) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The systems each scenario runs, and why the others asked for do not (keyed by system,
+    or scenario/system where only that scenario cannot run it)."""
+    plan: dict[str, list[str]] = {}
+    skipped: dict[str, str] = {}
+    for scenario in scenarios:
+        multi = scenario.trainers_per_host > 1
+        default = MULTI_TRAINER_SYSTEMS if multi else (SMOKE_SYSTEMS if smoke else
+                                                       SINGLE_TRAINER_SYSTEMS)
+        systems = list(default if chosen is None else chosen)
+        if multi:
+            for system in [s for s in systems if s not in MULTI_TRAINER_SYSTEMS]:
+                skipped[f"{scenario.name}/{system}"] = (
+                    f"runs one trainer per host; {scenario.name} has "
+                    f"{scenario.trainers_per_host} (only {', '.join(MULTI_TRAINER_SYSTEMS)})")
+                systems.remove(system)
+        plan[scenario.name] = systems
+    hivemind = sorted({s for v in plan.values() for s in v if s.startswith("hivemind")})
+    if hivemind and not PEERS_PYTHON.exists():
+        reason = f"{PEERS_PYTHON} missing: `make peers` installs hivemind 1.1.12"
+        skipped.update({s: reason for s in hivemind})
+        plan = {k: [s for s in v if s not in hivemind] for k, v in plan.items()}
+    for what, reason in skipped.items():
+        print(f"skipping {what}: {reason}", file=sys.stderr)
+    return plan, skipped
+
+
+def load_records(out: Path, scenarios: list[Scenario], plan: dict[str, list[str]]
                  ) -> tuple[list[dict[str, Any]], dict[str, RunConfig]]:
     records, configs = [], {}
     for scenario in scenarios:
-        for system in systems:
+        for system in plan[scenario.name]:
             path = out / scenario.name / system / "run.json"
             if path.exists():
                 record = json.loads(path.read_text())
@@ -174,7 +202,7 @@ def config_for(scenario: Scenario, args: argparse.Namespace, out: Path) -> RunCo
         ("tiny" if args.smoke else "small"), batch=args.batch, seq_len=args.seq_len,
         lr=args.lr, weight_decay=args.weight_decay, snapshot_every_s=snapshot,
         checkpoint_every_s=max(10.0, budget / 5), cpu_cores=cores,
-        startup_s=args.startup,
+        startup_s=args.startup, trainers_per_host=scenario.trainers_per_host,
         final_grace_s=max(30.0, budget / 3))
 
 
@@ -190,6 +218,12 @@ def summarize(records: list[dict[str, Any]], losses: dict[str, float],
             if r["scenario"] == "lan" and r["system"] == "ddp" and curve:
                 target = metrics.loss_at(curve, 0.8 * r["config"]["budget_s"])
                 source = "DDP on lan at 80 % of its budget"
+    if target is None:
+        worst = [metrics.loss_at(rows[id(r)]["curve"], 0.8 * r["config"]["budget_s"])
+                 for r in records if rows[id(r)]["curve"]]
+        if worst:
+            target = max(worst)
+            source = "no DDP on lan: the highest loss a row's curve had at 80 % of its budget"
     if target is not None:
         rows = {id(r): metrics.summarize(r, losses, target) for r in records}
     metrics.against_ddp(records, rows)

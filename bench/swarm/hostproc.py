@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass
 class WorkerProcess:
-    """A worker incarnation: `gen` counts restarts on its host (DDP generations, rejoins)."""
+    """A trainer's incarnation: `gen` counts restarts on its host (DDP generations, rejoins);
+    a host with several trainers has one of these per trainer and generation."""
 
     host: int  # 0-based
     gen: int
@@ -49,8 +50,9 @@ class WorkerProcess:
             worker.proc = topo.spawn(host, [python, "-m", "bench.swarm.worker",
                                             "--spec", str(spec_path)],
                                      stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO)
-        worker._reader = threading.Thread(target=worker._read, daemon=True,
-                                          name=f"worker-h{worker.host}-g{gen}")
+        worker._reader = threading.Thread(
+            target=worker._read, daemon=True,
+            name=f"worker-h{worker.host}-t{spec.get('trainer', 0)}-g{gen}")
         worker._reader.start()
         return worker
 

@@ -17,6 +17,9 @@ Definitions (also in docs/results.md):
   it and the host, once back, trained again.
 - cpu busy: cgroup CPU time over the budget / (quota x budget): 100 % means the host was
   compute-bound, less means it waited (network, peers, matchmaking).
+- several trainers per host (bench/swarm/layout.py): every trainer's snapshots count in the
+  curve's mean, samples are summed over trainers, bytes and CPU stay per host (the trainers
+  share its link and cgroup), and seconds in sync are per trainer.
 """
 
 from __future__ import annotations
@@ -214,10 +217,14 @@ def syncs(record: dict[str, Any]) -> dict[str, float]:
     ok = [e for e in every if e.get("ok") and int(e.get("group_size", 2)) >= 2]
     bad = [e for e in every if not (e.get("ok") and int(e.get("group_size", 2)) >= 2)]
     seconds = [float(e.get("seconds", 0.0)) for e in ok]
-    hosts = max(1, record["config"]["hosts"])
+    trainers = max(1, record["config"]["hosts"] * record.get("trainers_per_host", 1))
+    local = [e for e in every if e.get("ok") and "local_ranks" in e]
+    full = [e for e in local if len(e["local_ranks"]) == record.get("trainers_per_host", 1)]
     return {"syncs_ok": len(ok), "syncs_failed": len(bad),
+            "syncs_partial": sum(1 for e in ok if e.get("fully_averaged") is False),
+            "local_rounds": len(local), "local_rounds_full": len(full),
             "sync_seconds_mean": float(np.mean(seconds)) if seconds else math.nan,
-            "sync_seconds_per_host": float(np.sum(seconds)) / hosts,
+            "sync_seconds_per_host": float(np.sum(seconds)) / trainers,
             "group_size_mean": float(np.mean([e.get("group_size", 0) for e in ok]))
             if ok else math.nan}
 
@@ -266,7 +273,9 @@ def summarize(record: dict[str, Any], losses: dict[str, float], target: float | 
     points = curve(record, losses)
     budget = record["config"]["budget_s"]
     row: dict[str, Any] = {"scenario": record["scenario"], "system": record["system"],
-                           "budget_s": budget, "curve": points}
+                           "budget_s": budget, "curve": points,
+                           "trainers_per_host": record.get("trainers_per_host", 1),
+                           "peers": record.get("peers", record["config"]["hosts"])}
     final = [losses.get(e["path"], math.nan) for _, e in _snapshot_events(record)
              if e["event"] == "done"]
     final = [x for x in final if math.isfinite(x)]

@@ -3,8 +3,9 @@ scenario's events on schedule, DDP's elastic restarts, interface counters sample
 
 Every system of a scenario gets the same topology (built once; link rates reset before each
 system), the same RunConfig and the same event times, relative to its own `start_at`. Each
-host's processes live in its cgroup with an equal CPU quota; the orchestrator, the delayers
-and the evaluation run outside the quotas. What happened is written to
+host's processes (its trainers_per_host trainers and its daemons; bench/swarm/layout.py)
+live in its cgroup with an equal CPU quota; the orchestrator, the delayers and the evaluation
+run outside the quotas. What happened is written to
 `<out>/<scenario>/<system>/run.json`; bench/swarm/metrics.py turns it into numbers.
 """
 
@@ -12,16 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.swarm.hostproc import REPO, WorkerProcess
+from bench.swarm.layout import Layout, daemon_ports
+from bench.swarm.sampler import Sampler
 from bench.swarm.scenario import Scenario
 from bench.swarm.systems import DAEMON_SYSTEMS, MODULES
 from netlab import Host, Topology
@@ -49,6 +50,7 @@ class RunConfig:
     final_grace_s: float = 60.0  # after the budget: final syncs, `done`, exit
     cpu_cores: float = 0.5  # per host
     sample_every_s: float = 1.0
+    trainers_per_host: int = 1  # the scenario's; all of a host's share its quota
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -58,45 +60,6 @@ class RunConfig:
 
 def python_for(system: str) -> str:
     return str(PEERS_PYTHON) if system.startswith("hivemind") else sys.executable
-
-
-@dataclass
-class Sampler:
-    """Interface byte counters and cgroup CPU of every host, about once a second."""
-
-    topo: Topology
-    every: float
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def sample(self) -> None:
-        row: dict[str, Any] = {"t": time.time(), "tx": [], "rx": [], "cpu": [], "throttled": []}
-        for host in self.topo.hosts:
-            tx, rx = self.topo.counters(host)
-            row["tx"].append(tx)
-            row["rx"].append(rx)
-            cg = host.cgroup
-            row["cpu"].append(cg.cpu_seconds() if cg else 0.0)
-            row["throttled"].append(cg.throttled_seconds() if cg else 0.0)
-        row["delayer_cpu"] = [self.topo.delayer_cpu_seconds(h) for h in self.topo.hosts]
-        row["loadavg"] = os.getloadavg()[0]  # the whole machine: other work shows here
-        self.rows.append(row)
-
-    def start(self) -> None:
-        self.sample()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="sampler")
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            self.sample()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.sample()
 
 
 class SystemRun:
@@ -109,23 +72,26 @@ class SystemRun:
         self.dir = cfg.out / scenario.name / system
         self.shared = self.dir / "shared"
         self.start_file = self.dir / "start_at"
+        self.layout = Layout(system, cfg.hosts, cfg.trainers_per_host)
         self.workers: list[WorkerProcess] = []
-        self.current: dict[int, WorkerProcess] = {}  # host -> its live incarnation
+        self.current: dict[int, list[WorkerProcess]] = {}  # host -> its live trainers
         self.gens: dict[int, int] = {}
         self.ddp_generation = 0
         self.ddp_world: list[int] = []
         self.down: set[int] = set()
         self.actions: list[dict[str, Any]] = []
-        self.daemons: dict[int, str] = {}  # host -> ipc socket of its live daemon
+        self.daemons: dict[int, list[str]] = {}  # host -> ipc sockets of its live daemons
         self.daemon_count = 0
         self.start_at = 0.0
         self.end_at = 0.0
         self.tx_at_start = [0] * cfg.hosts
 
     # --- processes --------------------------------------------------------------------------
-    def _spec(self, host: int, start_at: float | None, rejoin: bool) -> dict[str, Any]:
+    def _spec(self, host: int, trainer: int, start_at: float | None, rejoin: bool
+              ) -> dict[str, Any]:
         cfg = self.cfg
-        gen = self.gens.get(host, -1) + 1
+        gen = self.gens[host]
+        name = f"h{host}-g{gen}" if cfg.trainers_per_host == 1 else f"h{host}-t{trainer}-g{gen}"
         spec: dict[str, Any] = {
             "system": self.system, "host": host, "hosts": cfg.hosts,
             "host_ips": [h.ip for h in self.topo.hosts], "port_base": PORT_BASE,
@@ -134,14 +100,15 @@ class SystemRun:
             "budget_s": cfg.budget_s if start_at is None else self.end_at - start_at,
             "start_at": start_at,
             "start_file": str(self.start_file) if start_at is None else None,
-            "out_dir": str(self.dir / f"h{host}-g{gen}"), "shared_dir": str(self.shared),
-            "snapshot_every_s": cfg.snapshot_every_s, "rejoin": rejoin, "knobs": {}}
+            "out_dir": str(self.dir / name), "shared_dir": str(self.shared),
+            "snapshot_every_s": cfg.snapshot_every_s, "rejoin": rejoin, "knobs": {},
+            "trainer": trainer, "trainers_per_host": cfg.trainers_per_host}
         if self.system in DAEMON_SYSTEMS:
-            spec["ipc_socket"] = self.daemons[host]
+            spec["ipc_socket"] = self.daemons[host][self.layout.daemon(trainer)]
             # the final sync gathers the hosts alive at the end (the schedule says how many)
             gone = {e.host_index(cfg.hosts) for e in self.scenario.events
                     if e.kind == "preempt" and e.until is None}
-            spec["knobs"] = {"final_group": cfg.hosts - len(gone)}
+            spec["knobs"] = self.layout.knobs(host, trainer, cfg.hosts - len(gone))
         if self.system == "ddp":
             master = self.topo.hosts[self.ddp_world[0]].ip
             spec["ddp"] = {"world": list(self.ddp_world), "generation": self.ddp_generation,
@@ -150,31 +117,39 @@ class SystemRun:
                            "checkpoint_every_s": cfg.checkpoint_every_s}
         return spec
 
-    def _launch(self, host: int, start_at: float | None, rejoin: bool) -> WorkerProcess:
-        spec = self._spec(host, start_at, rejoin)
+    def _launch(self, host: int, start_at: float | None, rejoin: bool) -> None:
+        """The host's trainers: a new incarnation (generation) of each."""
         self.gens[host] = self.gens.get(host, -1) + 1
-        worker = WorkerProcess.start(self.topo, self.topo.hosts[host], python_for(self.system),
-                                     spec, self.gens[host])
-        self.workers.append(worker)
-        self.current[host] = worker
-        return worker
+        self.current[host] = []
+        for trainer in range(self.cfg.trainers_per_host):
+            spec = self._spec(host, trainer, start_at, rejoin)
+            worker = WorkerProcess.start(self.topo, self.topo.hosts[host],
+                                         python_for(self.system), spec, self.gens[host])
+            self.workers.append(worker)
+            self.current[host].append(worker)
 
-    def _start_daemon(self, host: int) -> None:
+    def _start_daemons(self, host: int) -> None:
+        """The host's daemons: the first bootstraps from a live host's first daemon, the
+        others from the host's own first one."""
         live = [i for i in range(self.cfg.hosts) if i != host and i in self.daemons]
-        boot: list[Host] = [self.topo.hosts[live[0]]] if live else []
-        self.daemon_count += 1
-        name = f"{self.system}-h{host}-d{self.daemon_count}"
-        daemon = self.topo.start_daemon(self.topo.hosts[host], bootstrap=boot, wait=True,
-                                        name=name)
-        self.daemons[host] = daemon.socket
+        self.daemons[host] = []
+        for index in range(self.layout.daemons_per_host):
+            boot: list[Host] = ([self.topo.hosts[live[0]]] if live else []) if index == 0 \
+                else [self.topo.hosts[host]]
+            self.daemon_count += 1
+            name = f"{self.system}-h{host}-d{self.daemon_count}"
+            daemon = self.topo.start_daemon(self.topo.hosts[host], bootstrap=boot, wait=True,
+                                            name=name, ports=daemon_ports(index))
+            self.daemons[host].append(daemon.socket)
 
     def _kill(self, host: int, reason: str) -> None:
-        """SIGKILL everything of the host (its cgroup): worker, daemon, helpers."""
-        worker = self.current.pop(host, None)
-        if worker is not None and worker.alive() and worker.last("done") is None:
-            worker.mark_killed(reason)  # one that finished (said `done`) was not killed
+        """SIGKILL everything of the host (its cgroup): trainers, daemons, helpers."""
+        workers = self.current.pop(host, [])
+        for worker in workers:
+            if worker.alive() and worker.last("done") is None:
+                worker.mark_killed(reason)  # one that finished (said `done`) was not killed
         self.topo.kill_host(self.topo.hosts[host])
-        if worker is not None:
+        for worker in workers:
             worker.finish()
         self.daemons.pop(host, None)
 
@@ -215,7 +190,7 @@ class SystemRun:
                 self._ddp_restart(f"host {host} back")
             else:
                 if self.system in DAEMON_SYSTEMS:
-                    self._start_daemon(host)
+                    self._start_daemons(host)
                 self._launch(host, time.time(), rejoin=True)
         self.actions.append({"t": t0, "kind": kind, "host": host, "factor": factor,
                              "seconds": time.time() - t0})
@@ -244,7 +219,7 @@ class SystemRun:
         try:
             if self.system in DAEMON_SYSTEMS:
                 for i in range(cfg.hosts):
-                    self._start_daemon(i)
+                    self._start_daemons(i)
             self.ddp_world = list(range(cfg.hosts))
             launched = time.time()
             for i in range(cfg.hosts):
@@ -267,6 +242,7 @@ class SystemRun:
                 self.topo.kill_host(host)
             sampler.stop()
         record = {"scenario": self.scenario.name, "system": self.system,
+                  "trainers_per_host": cfg.trainers_per_host, "peers": self.layout.peers,
                   "config": cfg.to_json(), "start_at": self.start_at, "end_at": self.end_at,
                   "hosts": [{"ip": h.ip, "rate_mbit": h.link.rate_mbit,
                              "delay_s": h.link.delay_s, "loss_pct": h.link.loss_pct}
@@ -279,7 +255,7 @@ class SystemRun:
     def _wait_ready(self, launched: float) -> None:
         """Until every worker said `ready` (startup is not timed, so no host starts late)."""
         while True:
-            workers = list(self.current.values())
+            workers = self._live()
             if all(w.last("ready") is not None for w in workers):
                 return
             for worker in workers:
@@ -302,7 +278,7 @@ class SystemRun:
             while plan and plan[0][0] <= now:
                 _, kind, host, factor = plan.pop(0)
                 self._apply(kind, host, factor)
-            for worker in list(self.current.values()):
+            for worker in self._live():
                 if not worker.alive() and worker.returncode is None:
                     worker.finish()
                     error = worker.last("error")
@@ -314,7 +290,7 @@ class SystemRun:
                 self._report(now)
             # a worker that said `done` has nothing left to report: its teardown (hivemind's
             # can take tens of seconds) is not waited for
-            live = [w for w in self.current.values() if w.alive() and not self._finished(w, now)]
+            live = [w for w in self._live() if w.alive() and not self._finished(w, now)]
             if now >= self.end_at and (not live or now >= self.end_at + self.cfg.final_grace_s):
                 if live:
                     self.say(f"hosts {[w.host for w in live]} still running "
@@ -325,6 +301,10 @@ class SystemRun:
                 return
             time.sleep(0.2)
 
+    def _live(self) -> list[WorkerProcess]:
+        """Every trainer of the hosts that are up (whether it still runs or not)."""
+        return [w for workers in self.current.values() for w in workers]
+
     @staticmethod
     def _finished(worker: WorkerProcess, now: float) -> bool:
         done = worker.last("done")
@@ -333,14 +313,14 @@ class SystemRun:
     def _report(self, now: float) -> None:
         parts = []
         for host in range(self.cfg.hosts):
-            worker = self.current.get(host)
-            if worker is None:
+            workers = self.current.get(host)
+            if workers is None:
                 parts.append(f"h{host}: down")
                 continue
-            progress = worker.last("progress")
-            samples = progress.get("samples", 0) if progress else 0
-            ok = worker.count("sync", ok=True)
-            bad = worker.count("sync", ok=False)
+            progress = [w.last("progress") for w in workers]
+            samples = sum(p.get("samples", 0) for p in progress if p)
+            ok = sum(w.count("sync", ok=True) for w in workers)
+            bad = sum(w.count("sync", ok=False) for w in workers)
             parts.append(f"h{host}: {samples} smp {ok}/{ok + bad} sync")
         with contextlib.suppress(Exception):
             tx = [(self.topo.counters(h)[0] - sent) / 1e6

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 TARGET_RULE = ("the validation loss the DDP run of the `lan` scenario reaches at 80 % of its "
-               "budget (linear between evaluated snapshots), unless --target overrides it")
+               "budget (linear between evaluated snapshots), unless --target overrides it; "
+               "without either, the highest loss any row's curve had at 80 % of its budget")
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -128,6 +129,11 @@ def write(out: Path, results: dict[str, Any]) -> str:
         except Exception as exc:  # the table and JSON still get written
             parts.append(f"\n(plot for {name} failed: {type(exc).__name__}: {exc})")
         parts.append(f"\n### {name}: {scen['description']}\n")
+        trainers = scen["config"].get("trainers_per_host", 1)
+        if trainers > 1:
+            peers = ", ".join(f"{r['system']} {r['peers']}" for r in scen["rows"])
+            parts.append(f"{trainers} trainers per host, each with the per-host batch; peers: "
+                         f"{peers}; 'in sync s/host' is per trainer.\n")
         parts.append(table(scen["rows"], target))
         parts.append("\nWhere the time went:\n")
         parts.append(time_table(scen["rows"]))
@@ -138,9 +144,18 @@ def write(out: Path, results: dict[str, Any]) -> str:
         for row in scen["rows"]:
             agree = row.get("final_models")
             if agree:
-                parts.append(f"\n{row['system']}: final models of {agree['hosts']} hosts "
+                who = "trainers" if row.get("trainers_per_host", 1) > 1 else "hosts"
+                parts.append(f"\n{row['system']}: final models of {agree['hosts']} {who} "
                              f"{'agree' if agree['agree'] else 'DIFFER'} "
                              f"(max |diff| {agree['max_abs_diff']:.2e})")
+            if row.get("syncs_partial"):
+                parts.append(f"\n{row['system']}: {row['syncs_partial']} of {row['syncs_ok']} "
+                             "ok syncs were partial (a part's owner missed the round's deadline:"
+                             " its elements kept local values)")
+            if row.get("local_rounds"):
+                parts.append(f"\n{row['system']}: every trainer of its host took part in "
+                             f"{row['local_rounds_full']} of {row['local_rounds']} rounds' "
+                             "local reduce (per trainer, rounds that succeeded)")
             for message in row["errors"][:3]:
                 parts.append(f"\n{row['system']} error: {message}")
     text = "\n".join(parts) + "\n"

@@ -4,6 +4,8 @@
     description = "..."
     hosts = 4                    # default host count (--hosts overrides)
     budget_s = 150               # default time budget per system (--budget overrides)
+    trainers_per_host = 1        # trainer processes per host, sharing its cgroup (default 1;
+                                 # past 1, only the systems in MULTI_TRAINER_SYSTEMS run)
 
     [[host]]                     # one table per host; with more hosts than tables, host i gets
     rate_mbit = 200              # table i mod len (so a 4-host file scales to 8 hosts)
@@ -38,6 +40,7 @@ from netlab.links import LinkSpec
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 DEFAULT_SCENARIOS = ("lan", "wan", "churn")
 EVENT_KINDS = ("preempt", "rate")
+MAX_TRAINERS_PER_HOST = 8  # each trainer of a host takes its own daemon ports in moshpit-each
 
 
 class ScenarioError(ValueError):
@@ -69,6 +72,7 @@ class Scenario:
     links: tuple[LinkSpec, ...]  # as written; `links_for(hosts)` cycles them
     events: tuple[Event, ...]
     path: Path | None = None
+    trainers_per_host: int = 1
 
     def links_for(self, hosts: int) -> list[LinkSpec]:
         return [self.links[i % len(self.links)] for i in range(hosts)]
@@ -100,7 +104,8 @@ def _number(key: str) -> tuple[str, tuple[type, ...]]:
 def parse(data: dict[str, Any], name: str, path: Path | None = None) -> Scenario:
     where = str(path or name)
     top = _take(data, where, dict([("name", str), ("description", str), ("hosts", int),
-                                   _number("budget_s"), ("host", list), ("event", list)]))
+                                   _number("budget_s"), ("host", list), ("event", list),
+                                   ("trainers_per_host", int)]))
     host_tables = top.get("host", [])
     if not host_tables:
         raise ScenarioError(f"{where}: needs at least one [[host]] table")
@@ -146,8 +151,12 @@ def parse(data: dict[str, Any], name: str, path: Path | None = None) -> Scenario
     budget = float(top.get("budget_s", 150.0))
     if hosts < 2 or budget <= 0:
         raise ScenarioError(f"{where}: need hosts >= 2 and budget_s > 0")
+    trainers = int(top.get("trainers_per_host", 1))
+    if not 1 <= trainers <= MAX_TRAINERS_PER_HOST:
+        raise ScenarioError(f"{where}: trainers_per_host must be in 1..{MAX_TRAINERS_PER_HOST}, "
+                            f"not {trainers}")
     scenario = Scenario(top.get("name", name), top.get("description", ""), hosts, budget,
-                        tuple(links), tuple(events), path)
+                        tuple(links), tuple(events), path, trainers)
     scenario.check_hosts(hosts)
     return scenario
 

@@ -9,7 +9,8 @@ SPEC.json: system, host, hosts, host_ips, port_base (ports port_base..+9 are the
 seed, model, batch, seq_len, lr, weight_decay, budget_s, start_at (or null and start_file),
 out_dir, shared_dir, snapshot_every_s, rejoin, ipc_socket (moshpit), ddp {world, generation,
 master, resume, checkpoint_every_s} (ddp), knobs {...} (per system, see each module in
-bench/swarm/systems).
+bench/swarm/systems), trainer and trainers_per_host (default 0 and 1: this process is trainer
+`trainer` of its host's trainers_per_host, each on its own data; bench/swarm/layout.py).
 
 stdout carries one JSON object per line, each with "event" and "t" (time.time()):
 ready {step, samples} (where it starts from), progress {step, samples, loss} about once a
@@ -93,6 +94,8 @@ class WorkerSpec:
     ddp: DDPSpec | None = None
     knobs: dict[str, Any] = field(default_factory=dict)
     start_file: Path | None = None
+    trainer: int = 0  # of trainers_per_host on this host
+    trainers_per_host: int = 1
 
     @property
     def ip(self) -> str:
@@ -125,7 +128,8 @@ class WorkerSpec:
                     tuple(int(h) for h in ddp["world"]), int(ddp.get("generation", 0)),
                     str(ddp["master"]), ddp.get("resume"),
                     float(ddp.get("checkpoint_every_s", 30.0))),
-                knobs=dict(raw.get("knobs") or {}))
+                knobs=dict(raw.get("knobs") or {}), trainer=int(raw.get("trainer", 0)),
+                trainers_per_host=int(raw.get("trainers_per_host", 1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise SpecError(f"bad worker spec: {type(exc).__name__}: {exc}") from exc
         spec.validate()
@@ -136,6 +140,8 @@ class WorkerSpec:
             raise SpecError(f"system {self.system!r} is not one of {', '.join(MODULES)}")
         if not 0 <= self.host < self.hosts or len(self.host_ips) != self.hosts:
             raise SpecError(f"host {self.host} of {self.hosts} with {len(self.host_ips)} IPs")
+        if not 0 <= self.trainer < self.trainers_per_host:
+            raise SpecError(f"trainer {self.trainer} of {self.trainers_per_host} per host")
         if min(self.batch, self.seq_len) < 1 or self.budget_s <= 0 or self.lr <= 0:
             raise SpecError("batch, seq_len, budget_s and lr must be positive")
         try:
@@ -169,7 +175,8 @@ class LocalTrainer:
         self.spec, self.events = spec, events
         self.model = build_model(spec.model, spec.seed)
         self.optimizer: torch.optim.Optimizer = make_optimizer(self.model, spec.hyper)
-        self.batches = Batches(spec.batch, spec.seq_len, spec.seed, spec.host, samples)
+        self.batches = Batches(spec.batch, spec.seq_len, spec.seed, spec.host, samples,
+                               spec.trainer)
         self.step, self.samples = step, samples
         self.loss_sum, self.loss_n = 0.0, 0
         self._snapshots = 0
@@ -190,8 +197,8 @@ class LocalTrainer:
     def wait_for_start(self) -> None:
         """`ready`, then wait for the start: spec.start_at, or the unix time the orchestrator
         writes into spec.start_file once every host is ready."""
-        self.events.emit("ready", host=self.spec.host, pid=os.getpid(), step=self.step,
-                         samples=self.samples)
+        self.events.emit("ready", host=self.spec.host, trainer=self.spec.trainer,
+                         pid=os.getpid(), step=self.step, samples=self.samples)
         start = self.spec.start_at
         if start is None:
             assert self.spec.start_file is not None  # WorkerSpec.validate

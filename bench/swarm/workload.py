@@ -163,13 +163,14 @@ def make_optimizer(model: nn.Module, hyper: Hyper) -> torch.optim.AdamW:
 
 
 class Batches:
-    """Random training windows; the stream depends on (seed, host, start)."""
+    """Random training windows; the stream depends on (seed, host, start) and, for a host's
+    second and later trainers, on `trainer`."""
 
     def __init__(self, batch: int, seq_len: int, seed: int = 0, host: int = 0,
-                 start: int = 0) -> None:
+                 start: int = 0, trainer: int = 0) -> None:
         self.data = load_corpus().train
         self.batch, self.seq_len = batch, seq_len
-        self.rng = np.random.default_rng([seed, host, start])
+        self.rng = np.random.default_rng([seed, host, start] + ([trainer] if trainer else []))
         self.span = np.arange(seq_len + 1)
 
     def next(self) -> torch.Tensor:

@@ -1,17 +1,21 @@
 """Moshpit SGD: moshpit.Optimizer around AdamW, parameters averaged every τ steps on a grid.
 
-The orchestrator starts this host's moshpitd (spec.ipc_socket) before the worker.
+The orchestrator starts this host's moshpitd (spec.ipc_socket) before the worker. Three rows
+run it: `moshpit` (one trainer per host), and with several trainers per host (bench/swarm/
+layout.py) `moshpit-local` (the host's trainers pass local_world and are one peer) and
+`moshpit-each` (each trainer has its own daemon and is its own peer). The orchestrator's
+knobs `peers`, `peer` and `local_world` say which (defaults: H, the host, None).
 
 Knobs (spec.knobs overrides each; the values below are what the benchmark uses):
 - `tau` (τ) = 5, moshpit.Optimizer's default `average_every`: a knob shared with the hivemind
   workers, which derive their target batch from it (bench/swarm/systems/hivemind_opt.py), so
   every local-update system averages after about τ local steps per host.
-- `grid` = (M, 2) with M = ceil(sqrt(H)): the paper's square grid, rule not tuned; host i keeps
-  cell (i mod M, i div M), so a host that comes back takes its old cell.
+- `grid` = (M, 2) with M = ceil(sqrt(P)) for P peers: the paper's square grid, rule not tuned;
+  peer i keeps cell (i mod M, i div M), so a host that comes back takes its old cell.
 - `timeout` = 30 s, `group_size` = 16, `min_group_size` = 2, `overlap` = False,
   `average_state` = False, `codec` = "none": moshpit.Optimizer's defaults.
-- After the budget every host calls `opt.sync(min_group_size=final_group)` (knob
-  `final_group`, default H: the hosts alive at the end), falling back to pairs if it cannot
+- After the budget every trainer calls `opt.sync(min_group_size=final_group)` (knob
+  `final_group`, default H: the peers alive at the end), falling back to pairs if it cannot
   gather them, so the hosts' final models agree.
 - A host that comes back (rejoin) first downloads the state from its peers
   (`load_state_from_peers`), as the README says a joiner should; if none answers within the
@@ -52,15 +56,22 @@ def round_fields(opt: moshpit.Optimizer) -> dict[str, Any]:
     info = opt.last_round
     if info is None:
         return {}
-    return {"group_size": info.group_size, "group_sizes": list(info.group_sizes),
-            "round_seconds": info.seconds,
-            "matchmaking_seconds": info.matchmaking_seconds, "bytes_sent": info.bytes_sent}
+    fields = {"group_size": info.group_size, "group_sizes": list(info.group_sizes),
+              "round_seconds": info.seconds,
+              "matchmaking_seconds": info.matchmaking_seconds, "bytes_sent": info.bytes_sent,
+              # False: a part's owner failed and its elements kept this peer's values
+              "fully_averaged": info.fully_averaged}
+    if info.local_ranks:  # moshpit-local: the host's trainers whose values it sent
+        fields["local_ranks"] = list(info.local_ranks)
+    return fields
 
 
 def run(spec: WorkerSpec, events: Events) -> None:
     assert spec.ipc_socket is not None  # WorkerSpec.validate
-    grid = tuple(spec.knob("grid", grid_for(spec.hosts)))
-    cell = (spec.host % grid[0], (spec.host // grid[0]) % grid[0])
+    peers, peer = int(spec.knob("peers", spec.hosts)), int(spec.knob("peer", spec.host))
+    grid = tuple(spec.knob("grid", grid_for(peers)))
+    cell = (peer % grid[0], (peer // grid[0]) % grid[0])
+    local_world = spec.knob("local_world", None)
     trainer = LocalTrainer(spec, events)
     client = connect(spec.ipc_socket)
     opt = moshpit.Optimizer(
@@ -70,7 +81,8 @@ def run(spec: WorkerSpec, events: Events) -> None:
         min_group_size=int(spec.knob("min_group_size", 2)),
         timeout=float(spec.knob("timeout", 30.0)), overlap=bool(spec.knob("overlap", False)),
         average_state=bool(spec.knob("average_state", False)),
-        codec=str(spec.knob("codec", "none")), model=trainer.model)
+        codec=str(spec.knob("codec", "none")), model=trainer.model,
+        local_world=None if local_world is None else int(local_world))
     if spec.rejoin:
         try:
             trainer.step = opt.load_state_from_peers(timeout=float(spec.knob("timeout", 30.0)))
