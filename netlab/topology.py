@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from moshpitd.launcher import DaemonProcess
 
 DHT_PORT, GRPC_PORT, DATA_PORT = 7700, 7701, 7702  # a namespace's first daemon
+MAX_SOCKET_PATH = 100  # bytes: AF_UNIX paths end at 107 on Linux
 DELAYER = Path(__file__).resolve().with_name("delayer.py")  # run as a script in namespaces
 
 
@@ -225,6 +228,9 @@ class Topology:
         ready = self.workdir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         sock = self.workdir / f"{name}.sock"
+        if len(os.fsencode(sock)) > MAX_SOCKET_PATH:  # a deep workdir (pytest's, under xdist)
+            tag = hashlib.sha256(os.fsencode(self.workdir)).hexdigest()[:12]
+            sock = Path(tempfile.gettempdir()) / f"netlab-{tag}-{name}.sock"
         sock.unlink(missing_ok=True)
         dht, grpc, data = ports
         args = [

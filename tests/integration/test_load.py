@@ -3,6 +3,7 @@ daemons' rounds must still complete, with every member counted, and stay exact."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -61,7 +62,8 @@ def test_rounds_stay_exact_while_the_cores_are_busy(swarm4: LocalSwarm,
             assert seen == [set(ids)] * len(ids), seen  # every member in every peer's mean
         # the load was there all along: the loops kept at least half a core busy meanwhile
         cores = (cpu_seconds(busy) - spun) / (time.monotonic() - started)
-        assert cores > 0.5, cores
+        # (or the machine was busier still: other work took the cores from the loops)
+        assert cores > 0.5 or os.getloadavg()[0] >= (os.cpu_count() or 1), cores
     finally:
         for c in clients:
             c.close()

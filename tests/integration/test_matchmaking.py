@@ -113,6 +113,19 @@ PEERS = [PeerKey.generate() for _ in range(40)]  # pid(0..9), and 30 to pick fro
 KEYS = {k.peer_id: k for k in PEERS}
 
 
+def spare_key(wanted: Callable[[bytes], bool]) -> bytes:
+    """A peer id beyond pid(0..9) that `wanted` takes, whose key the test holds (keys are
+    drawn until one fits: the node's own id is random, and may be near either end)."""
+    for key in PEERS[10:]:
+        if wanted(key.peer_id):
+            return key.peer_id
+    while not wanted((key := PeerKey.generate()).peer_id):
+        pass
+    PEERS.append(key)
+    KEYS[key.peer_id] = key
+    return key.peer_id
+
+
 def pid(i: int) -> bytes:
     return PEERS[i].peer_id
 
@@ -199,9 +212,8 @@ def test_join_answers_every_code() -> None:
             assert not mm.leading.followers  # nothing refused was taken in
             # a joiner must be as it declared itself, signed, under the key (it did not
             # declare at all; it declared another weight; its weight is 1e13 times the rest)
-            spare = [k.peer_id for k in PEERS[10:]]  # joiners whose keys the test holds
-            low = next(p for p in spare if p < node.peer_id)
-            high = next(p for p in spare if p > node.peer_id)
+            low = spare_key(lambda p: p < node.peer_id)  # joiners whose keys the test holds
+            high = spare_key(lambda p: p > node.peer_id)
             declare(mm, high, weight=3.0)
             declare(mm, pid(2), weight=4.0)
             declare(mm, pid(4), weight=2e13)
