@@ -120,8 +120,10 @@ def _rounds(out: Result, topo: Topology, kids: list[Child], warmup: int, repeat:
         replies = _answers(kids, timeout + 30.0)
         cpu, dly = cpu_seconds(pids) - cpu, _delayers(topo) - dly
         seconds = max(r["seconds"] for r in replies)
-        full = min(r["group_size"] for r in replies) == len(kids)
-        _log(f"{out.system} round {rep}: {seconds:.3f} s" + ("" if full else " (split)"))
+        # a moshpit round may hold every member yet cut a late sender's parts short
+        full = (min(r["group_size"] for r in replies) == len(kids)
+                and all(r.get("fully_averaged", True) for r in replies))
+        _log(f"{out.system} round {rep}: {seconds:.3f} s" + ("" if full else " (partial)"))
         if rep < warmup:
             out.warmup.append(seconds)
             continue
@@ -266,7 +268,7 @@ def report(out: dict[str, Any]) -> None:
             ("max_s", "max s"), ("matchmaking_s", "match s"), ("allreduce_s", "reduce s"),
             ("allreduce_link_use", "reduce/bound"), ("x_optimum", "x bound"),
             ("x_gloo", "x gloo"), ("daemon_cpu_s", "cpu s"), ("delayer_cpu_s", "delayer s"),
-            ("partial_rounds", "split")]
+            ("partial_rounds", "partial")]
     cells = [[t for _, t in cols]]
     for r in out["rows"]:
         cells.append([fmt(r.get(k), k == "allreduce_link_use") for k, _ in cols])
@@ -285,8 +287,9 @@ def report(out: dict[str, Any]) -> None:
     print("\nmedian = median over timed rounds of the slowest host's call; match/reduce = "
           "moshpit's\nmatchmaking and all-reduce phase (RoundInfo); reduce/bound = bound / "
           "reduce s; cpu = CPU\nseconds of the daemons (moshpit) or workers (gloo: -) per "
-          "round; delayer = the link\nemulation's CPU per round; encryption: moshpit on, "
-          "moshpit-plain off.")
+          "round; delayer = the link\nemulation's CPU per round; partial = timed rounds that "
+          "did not average\nevery host's whole vector (a split group, or parts cut at the "
+          "deadline); encryption:\nmoshpit on, moshpit-plain off.")
 
 
 def main(args: argparse.Namespace) -> int:
