@@ -16,6 +16,9 @@ import statistics
 import sys
 from typing import Any
 
+from bench import allreduce_netns
+from bench.allreduce_netns import HIVEMIND_PY
+from bench.allreduce_netns import SYSTEMS as NETNS_SYSTEMS
 from bench.cli import exit_on_sigterm, positive, print_columns
 from bench.procs import BenchError
 from bench.runners import Samples, merge, run_gloo, run_moshpit
@@ -61,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-gloo", action="store_true", help="run moshpit only")
     p.add_argument("--skip-moshpit", action="store_true", help="run gloo only")
     p.add_argument("--workdir", help="keep moshpit daemon logs and sockets here")
+    net = p.add_argument_group("emulated links (bench/allreduce_netns.py; needs root)")
+    net.add_argument("--netns", metavar="SPEC",
+                     help="run every system on network namespaces with these links instead of "
+                          "loopback: host rates in Mbit/s, then rtt=MS and loss=PCT, e.g. "
+                          "200,200,20,20 or 4x100,rtt=50,loss=1 (--peers is the host count)")
+    net.add_argument("--systems", default=",".join(NETNS_SYSTEMS),
+                     help="with --netns: which systems, in this order (default: all of "
+                          f"{','.join(NETNS_SYSTEMS)}; moshpit-plain is data_encryption = off)")
+    net.add_argument("--warmup", type=positive, default=2,
+                     help="with --netns: untimed rounds first (default 2: moshpit's first "
+                          "round measures the links, its second uses the rates)")
+    net.add_argument("--hivemind-python", default=str(HIVEMIND_PY),
+                     help="with --netns: the interpreter that has hivemind 1.1.12 (default: "
+                          ".venv-peers, `make peers`)")
     p.add_argument("--daemon-log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="moshpitd --log-level")
     return p
@@ -116,6 +133,13 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None,
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.netns:
+        exit_on_sigterm()
+        try:
+            return allreduce_netns.main(args)
+        except KeyboardInterrupt:
+            print("bench.allreduce: interrupted; children stopped", file=sys.stderr)
+            return 130
     if args.codec not in CODECS:
         parser.error(f"--codec {args.codec!r} is not supported; supported: "
                      f"{', '.join(CODECS)}")

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -38,10 +39,12 @@ def child_env(**extra: str) -> dict[str, str]:
 class Child:
     """One child; stdout lines are queued by a thread so reads can time out."""
 
-    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str],
+                 prefix: Sequence[str] = (), python: str = sys.executable) -> None:
+        """`prefix` goes before the interpreter (e.g. `ip netns exec NS`)."""
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], cwd=ROOT, env=env, text=True, bufsize=1,
+            [*prefix, python, "-m", module, *args], cwd=ROOT, env=env, text=True, bufsize=1,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -109,8 +112,9 @@ class Children:
     def __init__(self) -> None:
         self.children: list[Child] = []
 
-    def start(self, name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
-        child = Child(name, module, args, env)
+    def start(self, name: str, module: str, args: list[str], env: dict[str, str],
+              prefix: Sequence[str] = (), python: str = sys.executable) -> Child:
+        child = Child(name, module, args, env, prefix, python)
         self.children.append(child)
         return child
 

@@ -138,7 +138,7 @@ def run_gloo(peers: int, elems: int, repeat: int, timeout: float) -> Samples:
                              "--timeout", str(timeout)], env)
                  for r in range(peers)]
         replies = _answers(ranks, timeout=60.0 + timeout * (1 + repeat))
-    _log(f"gloo warm-up: {max(r['warmup'] for r in replies):.3f} s")
+    _log(f"gloo warm-up: {max(max(r['warmup']) for r in replies):.3f} s")
     out.seconds = [max(times) for times in zip(*(r["times"] for r in replies), strict=True)]
     out.max_error = max(r["max_error"] for r in replies)
     return out

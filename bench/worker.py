@@ -75,7 +75,8 @@ def main() -> int:
             assert info is not None
             emit({"key": key, "seconds": seconds, "daemon_seconds": info.seconds,
                   "matchmaking_seconds": info.matchmaking_seconds,
-                  "group_size": info.group_size, "bytes_sent": info.bytes_sent})
+                  "group_size": info.group_size, "bytes_sent": info.bytes_sent,
+                  "fully_averaged": info.fully_averaged})
             checkable = out if info.group_size == args.peers else None
     return 0
 

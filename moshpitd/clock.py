@@ -84,10 +84,10 @@ class RoundClock:
                               STALL_SHARE * budget)
 
     def learn(self, wire_bytes: int, seconds: float,
-              rates: tuple[float, float] = (0.0, 0.0)) -> None:
-        """A round that averaged everything teaches the rate (same unit as `allreduce`), and
-        our link's send and receive rates."""
-        self.policy.observe(wire_bytes, seconds, rates)
+              rates: tuple[float, float] = (0.0, 0.0), complete: bool = True) -> None:
+        """A round that averaged everything teaches the rate (same unit as `allreduce`); any
+        round teaches our link's send and receive rates (DeadlinePolicy.observe)."""
+        self.policy.observe(wire_bytes, seconds, rates, complete)
 
 
 @dataclass(frozen=True)

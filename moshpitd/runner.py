@@ -230,9 +230,8 @@ class RoundRunner:
             result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))
         finally:
             self.registry.unregister(group.group_id)
-        if result.parts_averaged == result.parts:
-            clock.learn(result.bytes_sent + result.bytes_received, result.seconds,
-                        result.rates)
+        clock.learn(result.bytes_sent + result.bytes_received, result.seconds, result.rates,
+                    complete=result.parts_averaged == result.parts)
         return result
 
 

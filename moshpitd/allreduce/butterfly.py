@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ from moshpitd.transport.handshake import Handshake
 # How often the round looks again whether every result went out to the transports: they may
 # hold views of the trainer's buffer until then (a protocol constant: the poll's granularity).
 DRAIN_POLL = 0.001
+
+log = logging.getLogger("moshpitd.allreduce.butterfly")
 
 
 class AllreduceError(Exception):
@@ -110,9 +113,11 @@ class ButterflyRound:
         sender.start(deadlines.deadline)
         self.reducer.seed_own()
         leaving = False
+        reduced = start
         try:
             await self.reducer.wait_for_senders(deadlines.deadline, deadlines.hard,
                                                 deadlines.stall_window)
+            reduced = time.monotonic()
             await self.reducer.wait_for_listeners(min(deadlines.start_wait_until,
                                                       deadlines.deadline))
             await self._wait_for_owners(sender, deadlines)
@@ -136,6 +141,11 @@ class ButterflyRound:
                     sent, received = sent + ch.bytes_out, received + ch.bytes_in
                     ch.close()  # nothing is received into staging buffers after this
                 self.ledger.close()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("round phases (s after its start): owners ready %.3f, parts sent %.3f, "
+                      "span's contributions in %.3f, end %.3f", sender.gate.opened - start,
+                      max((ln.sent_at for ln in sender.links), default=start) - start,
+                      reduced - start, time.monotonic() - start)
         if self.ledger.invalid is not None:
             raise self.ledger.invalid
         return self._result(time.monotonic() - start, sent, received)

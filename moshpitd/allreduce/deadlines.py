@@ -33,10 +33,19 @@ class DeadlinePolicy:
         return max(self.floor, self.factor * wire_bytes / self.throughput)
 
     def observe(self, wire_bytes: int, seconds: float,
-                rates: tuple[float, float] = (0.0, 0.0)) -> None:
+                rates: tuple[float, float] = (0.0, 0.0), complete: bool = True) -> None:
+        """A round cut short still teaches: its connections' rates are sound (each times only
+        the bytes it moved), and its bytes per second are an upper bound on the throughput
+        (a whole round would have taken longer still), so the learnt one drops to them at
+        once, and only whole rounds raise it again. Otherwise a round cut because equal spans
+        overran a slow link's budget teaches nothing: spans never follow the links, the budget
+        never grows, and every round is cut alike."""
         if seconds > 0 and wire_bytes > self.min_learn_bytes:
             rate = wire_bytes / seconds
-            self.throughput = (1 - self.alpha) * self.throughput + self.alpha * rate
+            if complete:
+                self.throughput = (1 - self.alpha) * self.throughput + self.alpha * rate
+            else:  # the bound holds now: the next round's budget must not repeat the cut
+                self.throughput = min(self.throughput, rate)
             up, down = rates
             if up > 0 and down > 0:
                 keep = (1 - self.alpha) if self.measured else 0.0

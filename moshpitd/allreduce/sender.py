@@ -71,12 +71,14 @@ class ReadyGate:
         self.left = owners
         self.until = until
         self.event = asyncio.Event()
+        self.opened = time.monotonic()  # when the last owner answered (the phase log's)
         if owners <= 0:
             self.event.set()
 
     def mark(self) -> None:
         self.left -= 1
-        if self.left <= 0:
+        if self.left <= 0 and not self.event.is_set():
+            self.opened = time.monotonic()
             self.event.set()
 
     async def wait(self, deadline: float) -> None:
@@ -108,6 +110,7 @@ class OwnerLink:
         self.handshake: Handshake | None = None
         self.answered = asyncio.Event()  # READY proved the owner, or BUSY, or it failed
         self.busy = False
+        self.sent_at = 0.0  # when our last part went to the transport (the phase log's)
 
     def opening(self, channel: Channel, handshake: Handshake, pending: Pending) -> None:
         """A new attempt at the stream: `pending` is the HELLO we sent on `channel`."""
@@ -276,6 +279,7 @@ class SenderSide:
                 await self.hooks.before_part(i)
                 # straight from the trainer's buffer (codec none), piece by piece
                 await channel.send(PART, p.index, *codec.encode_pieces(view.views(p)))
+            link.sent_at = time.monotonic()
             await link.done.wait()
         except ConnectionRefusedError as exc:
             # nobody listens there: it died, so do not wait for its parts either

@@ -129,3 +129,19 @@ def test_the_first_measurement_replaces_the_prior_then_rates_are_averaged() -> N
     assert 20.0 < policy.link_mbit < 40.0
     policy.observe(1024, 1.0, (1e9, 1e9))  # a small round teaches nothing
     assert policy.link_mbit < 40.0
+
+
+def test_a_round_cut_short_teaches_the_link_rates_and_a_longer_budget() -> None:
+    """Equal spans overran a slow link's budget, so a member was cut: each connection's own
+    timing is still sound, and the round's bytes per second bound the throughput from above
+    (else spans never follow the links, the budget never grows, and every round is cut)."""
+    policy = DeadlinePolicy()
+    budget = policy.budget(24_000_000)
+    policy.observe(24_000_000, 4.5, (2.5e6, 2.5e6), complete=False)
+    assert policy.measured and policy.link_mbit == pytest.approx(20.0)
+    assert policy.budget(24_000_000) > budget
+    slow = policy.throughput
+    policy.observe(24_000_000, 0.01, (2.5e6, 2.5e6), complete=False)  # fast, yet cut: no news
+    assert policy.throughput == slow
+    policy.observe(24_000_000, 0.5, (2.5e6, 2.5e6))  # a whole round teaches either way
+    assert policy.throughput > slow
