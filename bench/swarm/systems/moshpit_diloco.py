@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 import moshpit
-from bench.swarm.systems.moshpit_sgd import connect, final_sync, round_fields
+from bench.swarm.systems.moshpit_sgd import connect, final_sync, train_step
 from bench.swarm.worker import Events, LocalTrainer, WorkerSpec
 
 KEY = "swarm-diloco"
@@ -105,17 +105,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
     publish_steps = int(row.get("publish_steps", PUBLISH_STEPS))
     trainer.wait_for_start()
     while trainer.time_left() > 0:
-        trainer.compute_loss()
-        done, failed = opt.rounds_done, opt.failed_rounds
-        t0 = time.perf_counter()
-        opt.step(batch_size=spec.batch)
-        seconds = time.perf_counter() - t0
-        trainer.advance()
-        if opt.rounds_done > done:
-            events.emit("sync", ok=True, seconds=seconds, **round_fields(opt))
-        elif opt.failed_rounds > failed:
-            events.emit("sync", ok=False, group_size=1, seconds=seconds,
-                        error=str(opt.last_error)[:200])
+        train_step(spec, trainer, opt, events)
         # not while a round is in flight: the client serves one call at a time, and the
         # publish would wait for the round (with `delay`, training would)
         if publish_steps and opt.local_step % publish_steps == 0 and not loop.pending:

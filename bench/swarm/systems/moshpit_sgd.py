@@ -91,21 +91,27 @@ def run(spec: WorkerSpec, events: Events) -> None:
             events.emit("rejoined", step=0, error=f"{type(exc).__name__}: {exc}"[:200])
     trainer.wait_for_start()
     while trainer.time_left() > 0:
-        trainer.compute_loss()
-        done, failed = opt.rounds_done, opt.failed_rounds
-        t0 = time.perf_counter()
-        opt.step(batch_size=spec.batch)
-        seconds = time.perf_counter() - t0
-        trainer.advance()
-        if opt.rounds_done > done:
-            events.emit("sync", ok=True, seconds=seconds, **round_fields(opt))
-        elif opt.failed_rounds > failed:
-            events.emit("sync", ok=False, group_size=1, seconds=seconds,
-                        error=str(opt.last_error)[:200])
+        train_step(spec, trainer, opt, events)
     final_sync(spec, opt, events)
     trainer.snapshot("done")
     opt.close()
     client.close()
+
+
+def train_step(spec: WorkerSpec, trainer: LocalTrainer, opt: moshpit.Optimizer,
+               events: Events) -> None:
+    """One optimizer step; a round it finished or failed is reported as a sync event."""
+    trainer.compute_loss()
+    done, failed = opt.rounds_done, opt.failed_rounds
+    t0 = time.perf_counter()
+    opt.step(batch_size=spec.batch)
+    seconds = time.perf_counter() - t0
+    trainer.advance()
+    if opt.rounds_done > done:
+        events.emit("sync", ok=True, seconds=seconds, **round_fields(opt))
+    elif opt.failed_rounds > failed:
+        events.emit("sync", ok=False, group_size=1, seconds=seconds,
+                    error=str(opt.last_error)[:200])
 
 
 def final_sync(spec: WorkerSpec, opt: moshpit.Optimizer, events: Events) -> None:
