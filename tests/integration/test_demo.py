@@ -78,15 +78,20 @@ def stop_demo(demo: subprocess.Popen[str], workdir: Path) -> list[str]:
     return left
 
 
-def test_demo_runs_end_to_end(tmp_path: Path) -> None:
-    workdir = tmp_path / "demo"
-    demo = start_demo(workdir, EPOCHS)
+def run_demo(workdir: Path, epochs: int, *args: str, world: int = WORLD) -> str:
+    """The demo run to its end: it exits 0 and leaves no process behind; its output."""
+    demo = start_demo(workdir, epochs, *args, world=world)
     try:
         out, _ = demo.communicate(timeout=120)
     finally:
         left = stop_demo(demo, workdir)
     assert demo.returncode == 0, out[-4000:]
     assert not left, left
+    return out
+
+
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    out = run_demo(tmp_path / "demo", EPOCHS)
     rounds = ROUND.findall(out)
     assert len(rounds) >= 10, out[-4000:]
     assert {int(size) for _, size in rounds} <= {2, 3}, rounds
@@ -124,14 +129,7 @@ def test_demo_per_host_averages_each_host_as_one_peer(tmp_path: Path) -> None:
     """--per-host 2 --world 2: 4 trainers, 2 per daemon. Every round is a group of the 2 hosts
     (4 if every trainer were its own peer), holding both local trainers' mean, and the last
     round leaves one model on all four."""
-    workdir = tmp_path / "per-host"
-    demo = start_demo(workdir, 2, "--per-host", "2", world=2)
-    try:
-        out, _ = demo.communicate(timeout=120)
-    finally:
-        left = stop_demo(demo, workdir)
-    assert demo.returncode == 0, out[-4000:]
-    assert not left, left
+    out = run_demo(tmp_path / "per-host", 2, "--per-host", "2", world=2)
     rounds = PER_HOST_ROUND.findall(out)
     assert len(rounds) >= 5, out[-4000:]
     assert {size for size, _ in rounds} == {"2"}, rounds
