@@ -4,8 +4,6 @@ daemons' rounds must still complete, with every member counted, and stay exact."
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -13,9 +11,10 @@ import pytest
 import torch
 
 import moshpit
+from bench.load import spinning
 from bench.procs import cpu_seconds
 from moshpitd.launcher import LocalSwarm
-from tests.integration.helpers import run_parallel, wait_until
+from tests.integration.helpers import run_parallel
 from tests.integration.test_grid import check_round
 
 BUSY = 4  # processes spinning in pure Python, on a machine of 2 cores in CI
@@ -25,18 +24,8 @@ ELEMS = 200_000
 
 @pytest.fixture
 def busy() -> Iterator[list[int]]:
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                              stdin=subprocess.DEVNULL) for _ in range(BUSY)]
-    try:
-        pids = [p.pid for p in procs]
-        # spinning, not still starting: together they burn over a CPU-second
-        wait_until(lambda: cpu_seconds(pids) > 1.0, 20, "busy loops spinning")
+    with spinning(BUSY) as pids:  # the same spinners as `python -m bench.load`
         yield pids
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
 
 
 def test_rounds_stay_exact_while_the_cores_are_busy(swarm4: LocalSwarm,
