@@ -172,11 +172,16 @@ def churn(swarm: LocalSwarm, trainers: list[Trainer], args: argparse.Namespace,
     with contextlib.suppress(BrokenPipeError):  # it died already: reported at the end
         joiner.proc.stdin.write(go + "\n")
         joiner.proc.stdin.close()
+    wait_for(trainers, deadline, args.deadline)
+
+
+def wait_for(trainers: list[Trainer], deadline: float, budget: float) -> None:
+    """Until every trainer exits or the deadline passes (the caller then stops them)."""
     for t in trainers:
         try:
             t.proc.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            say(f"trainers still running after {args.deadline:.0f} s: stopping them")
+            say(f"trainers still running after {budget:.0f} s: stopping them")
             return
 
 
@@ -191,12 +196,7 @@ def per_host(swarm: LocalSwarm, trainers: list[Trainer], args: argparse.Namespac
     for rank in range(world):
         trainers.append(Trainer(rank, ["--socket", swarm.sockets[rank // args.per_host],
                                        *common]))
-    for t in trainers:
-        try:
-            t.proc.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            say(f"trainers still running after {args.deadline:.0f} s: stopping them")
-            return
+    wait_for(trainers, deadline, args.deadline)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
