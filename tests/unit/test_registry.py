@@ -114,7 +114,10 @@ def test_strangers_share_a_bounded_table_and_never_hold_back_a_group_we_hold() -
         late = FakeRound(early)
         registry.register(late)  # type: ignore[arg-type]
         assert waiting[0].sink == "sink" and late.accepted == [0] and registry.strangers == 1
-        await asyncio.sleep(0.06)  # the other one's group never comes
+        # the other one's group never comes: its stream is aborted once stream_wait is over
+        async with asyncio.timeout(5):
+            while waiting[1].aborted is None:
+                await asyncio.sleep(0.005)
         assert waiting[1].aborted is not None and "no group" in waiting[1].aborted
         assert registry.refused == {"busy": 1, "group": 1} and registry.strangers == 0
 
