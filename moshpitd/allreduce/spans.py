@@ -15,14 +15,23 @@ within a time T form an interval [lo_i(T), hi_i(T)] of [0, cap_i] (empty when T 
 lo_i only falls and hi_i only grows as T grows. Shares summing to 1 with T(s) <= T exist iff
 every interval is non-empty and Σ lo_i <= 1 <= Σ hi_i: take s_i = lo_i + λ(hi_i - lo_i) with
 the λ in [0, 1] that makes the sum 1. That test is monotone in T, so bisection finds the least
-feasible T*, and the shares it yields at T* are optimal: any shares with a smaller makespan T'
-would make T' feasible, below T*. A non-owner's time does not depend on the shares (s_i = 0), so
-it only raises the round's time by a constant: the rule minimises over the owners' times, which
-minimises the round's too.
+feasible T*: any shares with a smaller makespan T' would make T' feasible, below T*. A
+non-owner's time does not depend on the shares (s_i = 0), so it only raises the round's time by
+a constant: the rule minimises over the owners' times, which minimises the round's too.
+
+Filling. Any shares within the intervals at T* are optimal, but they differ in what they do
+with the slack of members that would be done before T*. Spreading it in proportion to each
+member's room hands a slow member that measured a little faster than the slowest one a large
+share, right up to T*: rates measured on a real link are a little off, and that member becomes
+the bottleneck. So the shares fill up to a common level L <= T* instead: each owner takes the
+most that keeps it within L (at least lo_i(T*), at most hi_i(T*)), with the least L whose
+shares sum to 1. Every member's time is then as low as the others' allow, so the slack is a
+margin for everyone (the least sorted vector of times, for times that grow with the share).
 
 Security. cap_i is SHARE_CAP equal shares (allreduce/layout.py): a member's rates are
-self-reported, and t_i grows with s_i and shrinks with its rates, so hi_i, hence its share, only
-grows with the rates it declares, and never beyond the cap. Declaring less only lowers it.
+self-reported, and t_i grows with s_i and shrinks with its rates: a higher rate fills member i
+further at every level and lowers the level the others fill to, so its share only grows with
+the rates it declares, and never beyond the cap. Declaring less only lowers it.
 """
 
 from __future__ import annotations
@@ -94,9 +103,30 @@ def optimal_shares(up: Sequence[float], down: Sequence[float], senders: Sequence
     lo, hi = interval(t_hi)
     lo, hi = np.minimum(np.maximum(lo, 0.0), limit), np.maximum(np.minimum(hi, limit), 0.0)
     hi = np.maximum(hi, lo)
-    spread = hi.sum() - lo.sum()
-    lam = 0.0 if spread <= 0 else min(max((1.0 - lo.sum()) / spread, 0.0), 1.0)
+
+    def filled(level: float) -> np.ndarray:
+        """Each owner's share when it may take as much as keeps it within `level`, kept
+        within what T* allows it: shares grow with the level, from lo (0) to hi (T*)."""
+        top = np.full(own.size, np.inf)
+        for const, slope, rate in ((a, b, u), (c, e, d)):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                top = np.where(slope > 0, np.minimum(top, (level * rate - const) / slope), top)
+        return np.minimum(np.maximum(top, lo), hi)
+
+    # the least level whose filled shares reach 1 (it is at most T*, where they are hi)
+    l_lo, l_hi = 0.0, t_hi
+    for _ in range(BISECTIONS):
+        mid = (l_lo + l_hi) / 2
+        if mid <= l_lo or mid >= l_hi:
+            break
+        if filled(mid).sum() >= 1.0:
+            l_hi = mid
+        else:
+            l_lo = mid
+    below, above = filled(l_lo), filled(l_hi)
+    spread = above.sum() - below.sum()
+    lam = 0.0 if spread <= 0 else min(max((1.0 - below.sum()) / spread, 0.0), 1.0)
     shares = np.zeros(n)
-    shares[own] = lo + lam * (hi - lo)
+    shares[own] = below + lam * (above - below)
     shares /= shares.sum()
     return [float(x) for x in shares]

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 # 5: joins and GroupInfo are signed by peer keys, and data-plane streams open with a signed
 # handshake (transport/handshake.py).
 # 6: declarations of format 3 (a shard host's rank digests): peers of 5 cannot read them.
-PROTOCOL_VERSION = 6
+# 7: shares fill the members' slack to a common level (allreduce/spans.py): a version-6 daemon
+# would plan other spans from the same rates.
+PROTOCOL_VERSION = 7
 
 
 @dataclass

@@ -79,6 +79,20 @@ def test_slow_members_own_less_and_equal_rates_share_equally() -> None:
                       everyone) < 0.7 * equal  # the slow ones still send and take B
 
 
+def test_slack_fills_the_fastest_first_not_a_slow_member_that_measured_a_little_faster() -> None:
+    """Two slow hosts measured at 3.5 and 2.5: the slowest sets T* alone, and the other slow one
+    could take a share within T*. The fast hosts can take the whole vector sooner, so it gets
+    none: a measurement 40 % too high cannot make it the bottleneck."""
+    rates, everyone = [25.0, 25.0, 3.5, 2.5], [True] * 4
+    shares = optimal_shares(rates, rates, everyone, everyone)
+    assert shares == pytest.approx([0.5, 0.5, 0.0, 0.0])
+    times = [(1 + 2 * s) / r for s, r in zip(shares, rates, strict=True)]  # n = m = 4
+    assert max(times[:3]) < 0.75 * times[3]  # everyone else is done well before the slowest
+    # with no cap, the fast ones fill to a common level and the slow ones stay empty
+    shares = optimal_shares(rates, [25.0, 25.0, 25.0, 2.5], everyone, everyone, cap=100.0)
+    assert shares[3] == 0.0 and shares[0] == pytest.approx(shares[1])
+
+
 def test_a_declared_rate_only_raises_its_own_share_up_to_the_cap() -> None:
     everyone = [True] * 4
     previous = 0.0
