@@ -98,7 +98,11 @@ class Settings:
     # --- averaging
     part_size: int = option(
         Int(4096, 64 << 20, unit="bytes"), 1 << 20, AVERAGING,
-        "bytes per streamed part of a tensor; every daemon of a swarm must use the same")
+        "largest streamed part of a tensor; every daemon of a swarm must use the same",
+        note="A round cuts smaller parts, down to 64 KiB, where one would take over 50 ms on "
+        "its group's slowest declared link: a reducer sends a part's result once that part is "
+        "in from every member, so a slow link's parts set how long the round's pipeline takes "
+        "to fill.")
     bandwidth: float = option(
         Float(0.0, 1e12, unit="Mbit/s"), 0.0, AVERAGING,
         "the link rate this peer declares to its groups, which size spans so that a round's "

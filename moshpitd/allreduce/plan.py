@@ -26,6 +26,25 @@ log = logging.getLogger("moshpitd.allreduce.butterfly")
 # by the kernel page by page before the first frame lands in it.
 STAGING = ArrayPool(32 << 20)
 
+# A part is the unit a reducer waits for before it can send that part's result, so a round's
+# pipeline fills in the time one part takes over the slowest member's link, which its other
+# connections share. Parts are cut so that this takes at most PART_SECONDS at the group's
+# slowest declared rate: 1 MiB over a connection with a third of 20 Mbit/s takes 1.3 s, and
+# the slow members' downlinks idled that long in every round. MIN_PART_BYTES bounds the frames
+# a tiny declared rate can cost.
+PART_SECONDS = 0.05
+MIN_PART_BYTES = 64 << 10
+
+
+def paced_part_bytes(group: Group, requested: int) -> int:
+    """The round's part size: the request's, smaller where the slowest member's link would take
+    longer than PART_SECONDS per part. Every member computes it alike from the group."""
+    rates = [m.bandwidth for m in group.members if math.isfinite(m.bandwidth) and m.bandwidth > 0]
+    if len(group.members) < 2 or not rates:
+        return requested
+    fit = int(min(rates) * 1e6 / 8 * PART_SECONDS / (len(group.members) - 1))
+    return min(requested, max(fit, MIN_PART_BYTES))
+
 
 def unit_weights(group: Group) -> Group:
     """The group with every weight divided by the largest, as reducers weigh contributions:
@@ -51,7 +70,7 @@ class RoundPlan:
         self.view = view
         self.codec = codec
         self.fp16_range = codec.name == "fp16"  # values beyond it would be sent as Inf
-        self.parts = plan_parts(view.runs, group.shares, part_bytes, codec)
+        self.parts = plan_parts(view.runs, group.shares, paced_part_bytes(group, part_bytes), codec)
         self.by_owner: dict[int, list[Part]] = defaultdict(list)
         for p in self.parts:
             self.by_owner[p.owner].append(p)

@@ -1,5 +1,5 @@
-"""The optimal-span rule (allreduce/spans.py) against brute force on small groups, and the
-rates it is fed (allreduce/rates.py)."""
+"""The optimal-span rule (allreduce/spans.py) against brute force on small groups, the rates it
+is fed (allreduce/rates.py), and the part size those rates set (allreduce/plan.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from moshpitd.allreduce.deadlines import DeadlinePolicy
 from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.allreduce.plan import MIN_PART_BYTES, PART_SECONDS, paced_part_bytes
 from moshpitd.allreduce.rates import link_rates
 from moshpitd.allreduce.spans import optimal_shares, round_time
 
@@ -159,3 +160,22 @@ def test_a_round_cut_short_teaches_the_link_rates_and_a_longer_budget() -> None:
     assert policy.throughput == slow
     policy.observe(24_000_000, 0.5, (2.5e6, 2.5e6))  # a whole round teaches either way
     assert policy.throughput > slow
+
+
+def test_parts_are_cut_to_the_slowest_declared_link() -> None:
+    """A 20 Mbit/s member in a group of 4 shares 2.5 MB/s over 3 connections: a 1 MiB part
+    would take 1.3 s, and every reducer waits for whole parts, so parts shrink to the floor;
+    fast groups, rates that say nothing and lone members keep the request's size."""
+    def group(*rates: float) -> Group:
+        return Group(b"g" * 16, "k", 0, b"",
+                     tuple(GroupMember(bytes([i]), str(i), 1.0, bandwidth=r)
+                           for i, r in enumerate(rates)))
+
+    mib = 1 << 20
+    assert paced_part_bytes(group(200, 200, 20, 20), mib) == MIN_PART_BYTES
+    assert paced_part_bytes(group(1e4, 1e4, 1e4), mib) == mib
+    # 100 Mbit/s over 3 connections: 12.5e6 * PART_SECONDS / 3 bytes
+    assert paced_part_bytes(group(100, 100, 100, 100), mib) == int(12.5e6 * PART_SECONDS / 3)
+    assert paced_part_bytes(group(math.nan, 0.0), mib) == mib
+    assert paced_part_bytes(group(1.0), mib) == mib
+    assert paced_part_bytes(group(1e-9, 100), 32 << 10) == 32 << 10  # never above the request
