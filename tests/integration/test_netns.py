@@ -293,8 +293,10 @@ def test_host_cut_off_for_10s_rejoins(net: Net) -> None:
             mine = [a for a in during if a.peer == i and a.group_size > 0]
             assert mine, f"peer {i + 1} completed no round while host 4 was cut off"
             # a member whose part came past the deadline (a loaded machine) leaves a mean over
-            # fewer, which check_result verified; host 4 is in none of them
-            assert all(a.group_size == HOSTS - 1 and i in a.members <= three for a in mine), mine
+            # fewer, which check_result verified, down to none at all: every part kept its local
+            # value (members empty; CI saw it once at load 8); host 4 is in none of them
+            assert all(a.group_size == HOSTS - 1 and a.members <= three
+                       and (not a.members or i in a.members) for a in mine), mine
         assert any(a.members == three for a in during), "no round over all three survivors"
         assert not [a for a in during if a.peer == victim and a.group_size > 1], \
             "host 4 averaged with others while cut off"
