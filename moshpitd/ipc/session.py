@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any, Protocol
 
 from moshpitd import __version__
@@ -32,7 +33,7 @@ from moshpitd.matchmaking.grid import Grid, GridError
 from moshpitd.matchmaking.runs import GridMismatch
 from moshpitd.node import MoshpitNode
 from moshpitd.node_config import ShuttingDown
-from moshpitd.rounds import AverageRequest
+from moshpitd.rounds import AverageRequest, DataReady
 from moshpitd.state import StateStore, StateUnavailable
 
 
@@ -102,6 +103,7 @@ class Session:
         self.tasks: set[asyncio.Task[None]] = set()
         self._retired: list[SharedBuffer] = []
         self.greeted = False  # hello at our protocol came
+        self._pending: dict[int, DataReady] = {}  # a pending average's id -> its data
 
     async def run(self) -> None:
         try:
@@ -156,6 +158,8 @@ class Session:
             elif op == "rounds":
                 wire.decode(wire.RoundsRequest, fields)
                 reply = wire.RoundsReply(self.node.recent_rounds())
+            elif op == "ready":
+                reply = self._ready(wire.decode(wire.ReadyRequest, fields))
             else:
                 self._start(op, fields, rid)
                 return True
@@ -234,11 +238,25 @@ class Session:
         if not buffer.users and buffer in self._retired:
             self._free_retired()
 
+    def _ready(self, req: wire.ReadyRequest) -> wire.ReadyReply:
+        ready = self._pending.get(req.request)
+        if ready is None:
+            raise FieldError("ready", "request", f"names no pending average in this session "
+                             f"({req.request!r:.40}): it finished, failed or was not pending")
+        ready.arrive(req.abandon)
+        return wire.ReadyReply()
+
     def _start(self, op: str, fields: dict[str, Any], rid: Any) -> None:
         used: SharedBuffer | None = None  # the shared buffer the request works in, if any
+        pending: DataReady | None = None
         if op == "average":
             req = wire.decode(wire.AverageRequest, fields)
-            request = self._average_request(req)
+            if req.pending:
+                if not isinstance(rid, int) or rid in self._pending:
+                    raise FieldError(op, "pending", "needs an integer id that no other pending "
+                                     "average of this session has: `ready` names it by that")
+                pending = DataReady()
+            request = replace(self._average_request(req), ready=pending)
             used = self._buffer(op, req.buffer)
             work: Coroutine[Any, Any, wire.Message] = self._average(request, used)
         elif op == "publish_state":
@@ -261,6 +279,9 @@ class Session:
         task = asyncio.create_task(self._reply_when_done(work, op, rid))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if pending is not None:
+            self._pending[rid] = pending
+            task.add_done_callback(lambda _: self._pending.pop(rid, None))
         if used is not None:  # a re-attach under its id unmaps it once the request is done
             used.users += 1
             task.add_done_callback(functools.partial(self._release, used))
