@@ -5,7 +5,7 @@ A session starts with `hello` at this daemon's IPC_PROTOCOL; a trainer of anothe
 told so and the session ends. A malformed request gets an error reply naming the op and the
 field, and the session goes on; a frame that breaks the framing ends the session. Every
 failure's code is chosen here: by the check that refuses a request, or, for a failure inside a
-round or a state transfer, by the per-op tables below (by exception type, never by its name).
+round or a state transfer, by the per-op tables of ipc/failures.py (by exception type).
 """
 
 from __future__ import annotations
@@ -21,20 +21,17 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from moshpitd import __version__
-from moshpitd.allreduce.butterfly import AllreduceError
 from moshpitd.allreduce.codecs import CODECS
 from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, specs_from_wire
 from moshpitd.ipc import schema as wire
 from moshpitd.ipc.buffer import COLLECT_EVERY, BufferError_, SharedBuffer, unmap
+from moshpitd.ipc.failures import error_code
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
 from moshpitd.ipc.schema import ErrorCode, FieldError, IPCError
-from moshpitd.matchmaking.errors import DuplicateRequest, MatchmakingError, SchemaMismatch
 from moshpitd.matchmaking.grid import Grid, GridError
-from moshpitd.matchmaking.runs import GridMismatch
 from moshpitd.node import MoshpitNode
-from moshpitd.node_config import ShuttingDown
 from moshpitd.rounds import AverageRequest, DataReady
-from moshpitd.state import StateStore, StateUnavailable
+from moshpitd.state import StateStore
 
 
 class SessionHost(Protocol):
@@ -56,42 +53,6 @@ MAX_INFLIGHT = 8
 # again must not exhaust the daemon's memory maps.
 MAX_MAPPINGS = wire.MAX_BUFFERS + MAX_INFLIGHT
 ROUND_OPS = frozenset({"average", "publish_state", "download_state"})  # refused while draining
-
-# What a failure inside an op's work is called, by type, first match. Refusals of the request
-# itself are IPCErrors raised with their code where they are checked.
-ErrorTable = tuple[tuple[type[BaseException], ErrorCode], ...]
-_DRAIN = ((ShuttingDown, ErrorCode.SHUTTING_DOWN),)
-AVERAGE_ERRORS: ErrorTable = (
-    *_DRAIN,
-    (DuplicateRequest, ErrorCode.DUPLICATE_REQUEST),
-    (SchemaMismatch, ErrorCode.SCHEMA_MISMATCH),
-    (GridMismatch, ErrorCode.GRID_MISMATCH),
-    (MatchmakingError, ErrorCode.GROUP_NOT_FOUND),  # GroupNotFound and its kin
-    (AllreduceError, ErrorCode.ALLREDUCE_FAILED),
-    # every step of a round is bounded by the round's clock; one that still ran out of time
-    # failed the round (it is not a state transfer: see STATE_ERRORS)
-    (TimeoutError, ErrorCode.ROUND_TIMEOUT),
-    (ValueError, ErrorCode.INVALID_REQUEST),  # the tensors vs the buffer and the daemon's limits
-)
-STATE_ERRORS: ErrorTable = (
-    *_DRAIN,
-    (StateUnavailable, ErrorCode.STATE_UNAVAILABLE),
-    (TimeoutError, ErrorCode.STATE_UNAVAILABLE),  # the download's deadline passed
-    (ValueError, ErrorCode.INVALID_REQUEST),  # the tensors vs the buffer
-)
-OP_ERRORS: dict[str, ErrorTable] = {"average": AVERAGE_ERRORS, "publish_state": STATE_ERRORS,
-                                    "state_info": STATE_ERRORS, "download_state": STATE_ERRORS}
-
-
-def error_code(op: str, exc: BaseException) -> ErrorCode | None:
-    """The code of a failure of `op`; None for one nobody anticipated (a daemon bug)."""
-    if isinstance(exc, IPCError):
-        return exc.code
-    for kind, code in OP_ERRORS.get(op, ()):
-        if isinstance(exc, kind):
-            return code
-    return None
-
 
 class Session:
     def __init__(self, server: SessionHost, conn: FramedSocket, number: int) -> None:

@@ -23,8 +23,8 @@ from moshpit.client import _layout
 from moshpitd.allreduce import robust
 from moshpitd.allreduce.layout import FlatView, specs_from_wire
 from moshpitd.ipc import schema as wire
+from moshpitd.ipc.failures import error_code
 from moshpitd.ipc.schema import ErrorCode, FieldError, IPCError
-from moshpitd.ipc.session import error_code
 from moshpitd.matchmaking.errors import GroupNotFound, NoPartners, SchemaMismatch
 from moshpitd.state import StateUnavailable
 
