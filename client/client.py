@@ -7,6 +7,7 @@ CUDA tensors are copied into and out of it asynchronously (client/device_copy.py
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -23,6 +24,7 @@ from moshpit.connection import DaemonConnection, R, decode_reply
 from moshpit.device_copy import DeviceCopier, address, on_cuda
 from moshpit.errors import (
     InvalidRequest,
+    MoshpitError,
     StateUnavailable,
 )
 from moshpit.round_info import RoundInfo, round_info
@@ -149,7 +151,6 @@ class Client:
             elif device is not None:  # device tensors from share(): through their buffer
                 bid, specs, buf = device.bid, device.specs, device.buf
                 views = self._views(buf, specs)
-                self._device.to_buffer(buf, views, tensors)
             else:
                 specs, size = _layout(tensors)
                 bid = 0
@@ -157,16 +158,23 @@ class Client:
                 assert self._mmap is not None
                 buf = self._mmap
                 views = self._views(buf, specs)
+            # The tensors are copied into the buffer while the daemon looks for a group (a
+            # local group's trainers meet first, so theirs go in before they ask)
+            pending = shared is None and local_world is None
+            if shared is None and not pending:
                 self._device.to_buffer(buf, views, tensors)
-            reply = self._call(wire.AverageRequest(
+            request = wire.AverageRequest(
                 key=key, tensors=specs, weight=float(weight), timeout=float(timeout),
                 group_size=int(group_size), min_group_size=int(min_group_size),
                 grid=None if grid is None else [int(grid[0]), int(grid[1])],
                 rounds=int(rounds), codec=str(codec), buffer=bid, aggregation=aggregation,
-                local_world=local_world, local_rank=local_rank,
+                local_world=local_world, local_rank=local_rank, pending=pending,
                 initial_coords=None if initial_coords is None else [int(c) for c in
-                                                                    initial_coords],
-            ), wire.AverageReply, timeout=timeout + REPLY_MARGIN)
+                                                                    initial_coords])
+            if pending:
+                reply = self._pending_average(request, buf, views, tensors, timeout)
+            else:
+                reply = self._call(request, wire.AverageReply, timeout=timeout + REPLY_MARGIN)
             self.last_round = round_info(reply)
             if shared is not None:
                 return tensors
@@ -178,6 +186,23 @@ class Client:
                 for v, t in zip(views, tensors, strict=True)]
             self._device.from_buffer(buf, views, outs)
             return outs
+
+    def _pending_average(self, request: wire.AverageRequest, buf: mmap.mmap,
+                         views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor],
+                         timeout: float) -> wire.AverageReply:
+        """Asks first, then copies the tensors in and says `ready`: the copies (from a GPU,
+        on a side stream) overlap the round's matchmaking. A copy that fails abandons the
+        request, so the daemon sends nothing of the half-filled buffer."""
+        rid = self._conn.send(request, timeout)
+        try:
+            self._device.to_buffer(buf, views, tensors)
+        except BaseException:
+            with contextlib.suppress(MoshpitError):  # the copy's error is the one to raise
+                self._conn.send(wire.ReadyRequest(request=rid, abandon=True), timeout)
+            raise
+        self._conn.send(wire.ReadyRequest(request=rid), timeout)
+        return decode_reply(request.OP, self._conn.reply(rid, timeout + REPLY_MARGIN),
+                            wire.AverageReply)
 
     def share(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of `tensors` whose values `average` exchanges with the daemon in place.

@@ -5,8 +5,10 @@ fields and codes, is moshpitd/ipc/schema.py."""
 from __future__ import annotations
 
 import array
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import msgpack
@@ -71,12 +73,16 @@ class DaemonConnection:
         return decode_reply(wire.HelloRequest.OP, frame, wire.HelloReply)
 
     def request(self, req: wire.Message, timeout: float,
-                 fd: int | None = None) -> dict[str, Any]:
+                fd: int | None = None) -> dict[str, Any]:
+        return self.reply(self.send(req, timeout, fd), timeout)
+
+    def send(self, req: wire.Message, timeout: float, fd: int | None = None) -> int:
+        """Sends one request; its id, which `reply` waits for."""
         self._next_id += 1
         rid = self._next_id
         payload = msgpack.packb(wire.request_frame(req, rid), use_bin_type=True)
         frame = len(payload).to_bytes(LENGTH_PREFIX, "big") + payload
-        try:
+        with self._failures(timeout):
             self._sock.settimeout(timeout)
             if fd is None:
                 self._sock.sendall(frame)
@@ -86,11 +92,26 @@ class DaemonConnection:
                 )
                 if sent < len(frame):
                     self._sock.sendall(frame[sent:])
+        return rid
+
+    def reply(self, rid: int, timeout: float) -> dict[str, Any]:
+        """The reply to request `rid`; replies to earlier requests nobody waited for (a
+        `ready`'s, say) are skipped."""
+        with self._failures(timeout):
             deadline = time.monotonic() + timeout
             while True:
                 reply = self._read_frame(deadline)
                 if reply.get("id") in (rid, None):
                     break
+        if not reply.get("ok"):
+            raise from_reply(reply)
+        return reply
+
+    @contextlib.contextmanager
+    def _failures(self, timeout: float) -> Iterator[None]:
+        """The socket's failures as the errors a trainer can act on."""
+        try:
+            yield
         except TimeoutError as exc:
             raise DaemonUnavailable(f"no reply from moshpitd within {timeout:.1f} s") from exc
         except OSError as exc:
@@ -98,9 +119,6 @@ class DaemonConnection:
             if last is not None:  # it said why it went (a drain): raise that, not EPIPE
                 raise from_reply(last) from exc
             raise DaemonUnavailable(f"lost the connection to moshpitd: {exc}") from exc
-        if not reply.get("ok"):
-            raise from_reply(reply)
-        return reply
 
     def _last_words(self) -> dict[str, Any] | None:
         """A frame the daemon sent before closing, if one is waiting unread."""

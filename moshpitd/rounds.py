@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -13,6 +14,19 @@ from moshpitd.matchmaking.grid import Grid
 from moshpitd.metrics import Metrics
 
 log = logging.getLogger("moshpitd.node")
+
+
+class DataReady:
+    """Whether a pending request's tensors are in its buffer: `ready` came (in, or abandoned
+    by a trainer whose copy failed, so nothing of the buffer may be sent)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.abandoned = False
+
+    def arrive(self, abandoned: bool) -> None:
+        self.abandoned = abandoned
+        self.event.set()
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,8 @@ class AverageRequest:
     local_world: int | None = None  # one of this host's local trainers (moshpitd/local/)
     local_rank: int | None = None  # its shard's rank; None: a replica
     rank_digests: bytes = b""  # a shard host's, for matchmaking (declaration.rank_digests)
+    # set once the trainer's tensors are in the buffer; None: they were when it asked
+    ready: DataReady | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

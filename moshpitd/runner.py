@@ -146,6 +146,7 @@ class RoundRunner:
                                      time.monotonic(),
                                      "alone" if isinstance(exc, NoPartners)
                                      else "matchmaking_failed", codec)
+            await _data_in(request, clock)
             await _refuse_alone(view, codec)
             if single_attempt:
                 return RoundOutcome(rec)
@@ -164,6 +165,11 @@ class RoundRunner:
         self.metrics.group_size.observe(len(group.members))
         n = len(group.members)
         members = tuple(m.peer_id.hex() for m in group.members)
+        try:
+            await _data_in(request, clock)
+        except BaseException:
+            self.rounds.record(key, n, 0, 0, start, time.monotonic(), "allreduce_failed", codec)
+            raise
         if sum(m.weight for m in group.members) <= 0:
             # no weighted mean: every member sees the same weights and keeps its values alike
             await _refuse_alone(view, codec)
@@ -233,6 +239,25 @@ class RoundRunner:
         clock.learn(result.bytes_sent + result.bytes_received, result.seconds, result.rates,
                     complete=result.parts_averaged == result.parts)
         return result
+
+
+async def _data_in(request: AverageRequest, clock: RoundClock) -> None:
+    """A pending request's buffer is read only once its trainer said its tensors are in
+    (`ready`): they were being copied in, from a GPU say, while we looked for a group. Members
+    of our group wait for our parts meanwhile, as for any slow member."""
+    ready = request.ready
+    if ready is None:
+        return
+    try:
+        if not ready.event.is_set():  # (wait_for with no time left fails even a set event)
+            await asyncio.wait_for(ready.event.wait(), max(clock.remaining(), 0.0))
+    except TimeoutError:
+        raise AllreduceError("the trainer did not say its tensors were in the shared buffer "
+                             "('ready') within the request's timeout: nothing of it was "
+                             "sent") from None
+    if ready.abandoned:
+        raise AllreduceError("the trainer abandoned the request before its tensors were in "
+                             "the shared buffer: nothing of it was sent")
 
 
 async def _refuse_alone(view: FlatView, codec: str) -> None:

@@ -26,8 +26,9 @@ from moshpitd.ipc.errors import ErrorCode, FieldError, IPCError
 from moshpitd.ipc.message import Message, decode, encode
 
 # 1: the unversioned protocol (errors named by Python class, no handshake); 3: local groups
-# (their error replies, schema_mismatch's included, may carry the local `rank` at fault)
-IPC_PROTOCOL = 3
+# (their error replies, schema_mismatch's included, may carry the local `rank` at fault);
+# 4: `average` with `pending` and the `ready` op (the buffer is filled while matchmaking runs)
+IPC_PROTOCOL = 4
 MAX_FRAME = 1 << 20  # bytes of one frame's payload: control messages only, never tensor bytes
 LENGTH_PREFIX = 4  # bytes of a frame's big-endian length
 BUFFER_ALIGN = 64  # bytes: every tensor in a shared buffer (and a state snapshot) starts here
@@ -129,6 +130,10 @@ class AverageRequest(Message):
     # local_rank) or the shards of one vector, in rank order (moshpitd/local/)
     local_world: int | None = None
     local_rank: int | None = None
+    # The tensors are not in the buffer yet: the trainer copies them in (from a GPU, say) while
+    # the daemon looks for a group, and says `ready` with this request's id once they are; the
+    # daemon reads the buffer only after that
+    pending: bool = False
 
     def validate(self) -> None:
         op = self.OP
@@ -161,6 +166,23 @@ class AverageRequest(Message):
             if not 0 <= self.local_rank < self.local_world:
                 raise FieldError(op, "local_rank", f"must be in 0..{self.local_world - 1} "
                                  f"(local_world {self.local_world})")
+        if self.pending and self.local_world is not None:
+            raise FieldError(op, "pending", "is for requests without local_world (a local "
+                             "group reads its trainers' buffers as they arrive)")
+
+
+@dataclass(frozen=True)
+class ReadyRequest(Message):
+    """The tensors of the pending `average` with id `request` are in its buffer now."""
+
+    OP = "ready"
+    request: int
+    abandon: bool = False  # the copy failed: the daemon must send nothing of the buffer
+
+
+@dataclass(frozen=True)
+class ReadyReply(Message):
+    OP = "ready"
 
 
 @dataclass(frozen=True)
@@ -298,6 +320,7 @@ OPS: dict[str, OpSpec] = {spec.request.OP: spec for spec in (
     OpSpec(HelloRequest, HelloReply),
     OpSpec(AttachRequest, AttachReply, takes_fd=True),
     OpSpec(AverageRequest, AverageReply, network=True),
+    OpSpec(ReadyRequest, ReadyReply),
     OpSpec(PublishStateRequest, PublishStateReply, network=True),
     OpSpec(StateInfoRequest, StateInfoReply, network=True),
     OpSpec(DownloadStateRequest, DownloadStateReply, network=True),

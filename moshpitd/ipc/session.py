@@ -5,7 +5,7 @@ A session starts with `hello` at this daemon's IPC_PROTOCOL; a trainer of anothe
 told so and the session ends. A malformed request gets an error reply naming the op and the
 field, and the session goes on; a frame that breaks the framing ends the session. Every
 failure's code is chosen here: by the check that refuses a request, or, for a failure inside a
-round or a state transfer, by the per-op tables below (by exception type, never by its name).
+round or a state transfer, by the per-op tables of ipc/failures.py (by exception type).
 """
 
 from __future__ import annotations
@@ -17,23 +17,21 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any, Protocol
 
 from moshpitd import __version__
-from moshpitd.allreduce.butterfly import AllreduceError
 from moshpitd.allreduce.codecs import CODECS
 from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, specs_from_wire
 from moshpitd.ipc import schema as wire
 from moshpitd.ipc.buffer import COLLECT_EVERY, BufferError_, SharedBuffer, unmap
+from moshpitd.ipc.failures import error_code
 from moshpitd.ipc.framing import ConnectionClosed, FramedSocket, ProtocolError
 from moshpitd.ipc.schema import ErrorCode, FieldError, IPCError
-from moshpitd.matchmaking.errors import DuplicateRequest, MatchmakingError, SchemaMismatch
 from moshpitd.matchmaking.grid import Grid, GridError
-from moshpitd.matchmaking.runs import GridMismatch
 from moshpitd.node import MoshpitNode
-from moshpitd.node_config import ShuttingDown
-from moshpitd.rounds import AverageRequest
-from moshpitd.state import StateStore, StateUnavailable
+from moshpitd.rounds import AverageRequest, DataReady
+from moshpitd.state import StateStore
 
 
 class SessionHost(Protocol):
@@ -56,42 +54,6 @@ MAX_INFLIGHT = 8
 MAX_MAPPINGS = wire.MAX_BUFFERS + MAX_INFLIGHT
 ROUND_OPS = frozenset({"average", "publish_state", "download_state"})  # refused while draining
 
-# What a failure inside an op's work is called, by type, first match. Refusals of the request
-# itself are IPCErrors raised with their code where they are checked.
-ErrorTable = tuple[tuple[type[BaseException], ErrorCode], ...]
-_DRAIN = ((ShuttingDown, ErrorCode.SHUTTING_DOWN),)
-AVERAGE_ERRORS: ErrorTable = (
-    *_DRAIN,
-    (DuplicateRequest, ErrorCode.DUPLICATE_REQUEST),
-    (SchemaMismatch, ErrorCode.SCHEMA_MISMATCH),
-    (GridMismatch, ErrorCode.GRID_MISMATCH),
-    (MatchmakingError, ErrorCode.GROUP_NOT_FOUND),  # GroupNotFound and its kin
-    (AllreduceError, ErrorCode.ALLREDUCE_FAILED),
-    # every step of a round is bounded by the round's clock; one that still ran out of time
-    # failed the round (it is not a state transfer: see STATE_ERRORS)
-    (TimeoutError, ErrorCode.ROUND_TIMEOUT),
-    (ValueError, ErrorCode.INVALID_REQUEST),  # the tensors vs the buffer and the daemon's limits
-)
-STATE_ERRORS: ErrorTable = (
-    *_DRAIN,
-    (StateUnavailable, ErrorCode.STATE_UNAVAILABLE),
-    (TimeoutError, ErrorCode.STATE_UNAVAILABLE),  # the download's deadline passed
-    (ValueError, ErrorCode.INVALID_REQUEST),  # the tensors vs the buffer
-)
-OP_ERRORS: dict[str, ErrorTable] = {"average": AVERAGE_ERRORS, "publish_state": STATE_ERRORS,
-                                    "state_info": STATE_ERRORS, "download_state": STATE_ERRORS}
-
-
-def error_code(op: str, exc: BaseException) -> ErrorCode | None:
-    """The code of a failure of `op`; None for one nobody anticipated (a daemon bug)."""
-    if isinstance(exc, IPCError):
-        return exc.code
-    for kind, code in OP_ERRORS.get(op, ()):
-        if isinstance(exc, kind):
-            return code
-    return None
-
-
 class Session:
     def __init__(self, server: SessionHost, conn: FramedSocket, number: int) -> None:
         self.server = server
@@ -102,6 +64,7 @@ class Session:
         self.tasks: set[asyncio.Task[None]] = set()
         self._retired: list[SharedBuffer] = []
         self.greeted = False  # hello at our protocol came
+        self._pending: dict[int, DataReady] = {}  # a pending average's id -> its data
 
     async def run(self) -> None:
         try:
@@ -156,6 +119,8 @@ class Session:
             elif op == "rounds":
                 wire.decode(wire.RoundsRequest, fields)
                 reply = wire.RoundsReply(self.node.recent_rounds())
+            elif op == "ready":
+                reply = self._ready(wire.decode(wire.ReadyRequest, fields))
             else:
                 self._start(op, fields, rid)
                 return True
@@ -234,11 +199,25 @@ class Session:
         if not buffer.users and buffer in self._retired:
             self._free_retired()
 
+    def _ready(self, req: wire.ReadyRequest) -> wire.ReadyReply:
+        ready = self._pending.get(req.request)
+        if ready is None:
+            raise FieldError("ready", "request", f"names no pending average in this session "
+                             f"({req.request!r:.40}): it finished, failed or was not pending")
+        ready.arrive(req.abandon)
+        return wire.ReadyReply()
+
     def _start(self, op: str, fields: dict[str, Any], rid: Any) -> None:
         used: SharedBuffer | None = None  # the shared buffer the request works in, if any
+        pending: DataReady | None = None
         if op == "average":
             req = wire.decode(wire.AverageRequest, fields)
-            request = self._average_request(req)
+            if req.pending:
+                if not isinstance(rid, int) or rid in self._pending:
+                    raise FieldError(op, "pending", "needs an integer id that no other pending "
+                                     "average of this session has: `ready` names it by that")
+                pending = DataReady()
+            request = replace(self._average_request(req), ready=pending)
             used = self._buffer(op, req.buffer)
             work: Coroutine[Any, Any, wire.Message] = self._average(request, used)
         elif op == "publish_state":
@@ -261,6 +240,9 @@ class Session:
         task = asyncio.create_task(self._reply_when_done(work, op, rid))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if pending is not None:
+            self._pending[rid] = pending
+            task.add_done_callback(lambda _: self._pending.pop(rid, None))
         if used is not None:  # a re-attach under its id unmaps it once the request is done
             used.users += 1
             task.add_done_callback(functools.partial(self._release, used))

@@ -29,8 +29,8 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     yield from live_target(tmp_path_factory)
 
 
-OPS = ["hello", "attach", "average", "status", "rounds", "peers", "publish_state", "state_info",
-       "download_state"]
+OPS = ["hello", "attach", "average", "ready", "status", "rounds", "peers", "publish_state",
+       "state_info", "download_state"]
 dtypes = st.sampled_from(["float32", "float16", "float64", "int64", "bfloat16", "", "float32\0"])
 shapes = st.one_of(st.lists(st.integers(-2, 70), max_size=3), st.lists(ints, max_size=3),
                    st.lists(st.integers(0, 2), min_size=32, max_size=34))
@@ -60,6 +60,9 @@ IPC_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "meta": either(st.dictionaries(st.text(max_size=8), values, max_size=4)),
     "version": either(ints, st.none()),
     "protocol": either(st.sampled_from([IPC_PROTOCOL, 1, IPC_PROTOCOL + 1]), ints),
+    "pending": either(st.booleans()),
+    "request": either(st.integers(0, 1000), ints, texts),
+    "abandon": either(st.booleans()),
 }
 ops = st.one_of(st.sampled_from(OPS), st.sampled_from(OPS), st.sampled_from(OPS),
                 st.text(max_size=20), values)
@@ -91,7 +94,9 @@ def plausible_messages(draw: st.DrawFn) -> dict[str, Any]:
         "hello": {"protocol": IPC_PROTOCOL}, "status": {}, "rounds": {}, "peers": {},
         "attach": {"size": draw(st.sampled_from([4096, 65536])), "buffer": 0},
         "average": {"key": key, "tensors": tensors, "timeout": timeout, "weight": 1.0,
-                    "group_size": 2, "min_group_size": 2, "buffer": 0, "codec": "none"},
+                    "group_size": 2, "min_group_size": 2, "buffer": 0, "codec": "none",
+                    "pending": draw(st.booleans())},
+        "ready": {"request": draw(st.integers(0, 1000)), "abandon": draw(st.booleans())},
         "publish_state": {"key": key, "tensors": tensors, "meta": {"step": 1}, "buffer": 0,
                           "timeout": timeout},
         "state_info": {"key": key, "timeout": timeout},

@@ -23,8 +23,8 @@ from moshpit.client import _layout
 from moshpitd.allreduce import robust
 from moshpitd.allreduce.layout import FlatView, specs_from_wire
 from moshpitd.ipc import schema as wire
+from moshpitd.ipc.failures import error_code
 from moshpitd.ipc.schema import ErrorCode, FieldError, IPCError
-from moshpitd.ipc.session import error_code
 from moshpitd.matchmaking.errors import GroupNotFound, NoPartners, SchemaMismatch
 from moshpitd.state import StateUnavailable
 
@@ -43,6 +43,7 @@ SAMPLES: dict[str, tuple[wire.Message, wire.Message]] = {
                           group_sizes=[4, 3], spans=[[0, 6, 15], [6, 7, 0]],
                           members=["aa", "bb", "cc", "dd"], owned=3, local_rank=3,
                           local_ranks=[0, 1, 2, 3])),
+    "ready": (wire.ReadyRequest(request=17, abandon=True), wire.ReadyReply()),
     "publish_state": (
         wire.PublishStateRequest(key="run", tensors=[["float64", [5], 0]],
                                  meta={"names": ["param.0"], "step": 3}, version=9,
