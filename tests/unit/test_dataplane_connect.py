@@ -1,0 +1,156 @@
+"""A data-plane connection races a second attempt when the first is not up in time (a lost
+SYN waits out the kernel's 1 s retransmission timeout): real sockets on loopback, with the
+first attempt held back the way a lost SYN holds it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from moshpitd.transport import dataplane
+from moshpitd.transport.dataplane import Channel, connect
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.closed: list[BaseException | None] = []
+
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> None:
+        return None
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        pass
+
+    def on_close(self, exc: BaseException | None) -> None:
+        self.closed.append(exc)
+
+
+async def serve() -> tuple[asyncio.Server, int, list[Channel]]:
+    accepted: list[Channel] = []
+
+    def accept() -> Channel:
+        ch = Channel()
+        accepted.append(ch)
+        return ch
+    server = await asyncio.get_running_loop().create_server(accept, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], accepted
+
+
+def held_first(monkeypatch: pytest.MonkeyPatch, hold: asyncio.Event,
+               cancelled: asyncio.Event | None = None) -> list[float]:
+    """The loop's create_connection, with its first call waiting for `hold` (a lost SYN);
+    `cancelled` is set if that wait is cancelled."""
+    loop = asyncio.get_running_loop()
+    real = loop.create_connection
+    calls: list[float] = []
+
+    async def create_connection(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            try:
+                await hold.wait()
+            except asyncio.CancelledError:
+                if cancelled is not None:
+                    cancelled.set()
+                raise
+        return await real(*args, **kwargs)
+    monkeypatch.setattr(loop, "create_connection", create_connection)
+    return calls
+
+
+def test_a_connect_that_is_up_at_once_never_races(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> tuple[int, int]:
+        server, port, accepted = await serve()
+        calls = held_first(monkeypatch, asyncio.Event())
+        calls.append(0.0)  # the next call is not the held one
+        ch = await connect("127.0.0.1", port, Sink(), 1 << 20, hedge_after=0.2)
+        assert ch.transport is not None and not ch.transport.is_closing()
+        n = len(calls) - 1
+        ch.transport.close()
+        server.close()
+        return n, len(accepted)
+    assert asyncio.run(scenario()) == (1, 1)
+
+
+def test_a_held_first_attempt_loses_to_the_second_and_never_reaches_the_sink(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        server, port, accepted = await serve()
+        hold, cancelled = asyncio.Event(), asyncio.Event()
+        calls = held_first(monkeypatch, hold, cancelled)
+        sink = Sink()
+        started = time.monotonic()
+        ch = await connect("127.0.0.1", port, sink, 1 << 20, hedge_after=0.2)
+        took = time.monotonic() - started
+        assert len(calls) == 2 and calls[1] - calls[0] >= 0.2, calls
+        assert 0.2 <= took < 1.0, took  # the hedge, not the kernel's 1 s
+        assert ch.sink is sink and ch.transport is not None and not ch.transport.is_closing()
+        await asyncio.wait_for(cancelled.wait(), 5)  # the held attempt is given up
+        hold.set()
+        assert len(accepted) == 1, accepted
+        ch.transport.close()
+        await ch.gone
+        assert len(sink.closed) == 1  # only the winner's close reaches the sink
+        server.close()
+    asyncio.run(scenario())
+
+
+def test_a_loser_up_at_the_same_time_as_the_winner_is_closed_unseen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slow first attempt connects just as the second does: one is used, the other is
+    closed, and its close never reaches the sink."""
+    async def scenario() -> None:
+        server, port, accepted = await serve()
+        loop = asyncio.get_running_loop()
+        real = loop.create_connection
+        both_up = asyncio.Event()
+        made: list[Channel] = []
+
+        async def create_connection(*args: Any, **kwargs: Any) -> Any:
+            out = await real(*args, **kwargs)
+            made.append(out[1])
+            if len(made) == 2:
+                both_up.set()
+            await both_up.wait()  # the first is held until the second is up too
+            return out
+        monkeypatch.setattr(loop, "create_connection", create_connection)
+        sink = Sink()
+        ch = await connect("127.0.0.1", port, sink, 1 << 20, hedge_after=0.1)
+        assert len(made) == 2 and ch in made
+        loser = made[1] if ch is made[0] else made[0]
+        await asyncio.wait_for(loser.gone, 5)
+        assert loser.sink is None
+        assert ch.transport is not None and not ch.transport.is_closing()
+        assert sink.closed == []  # the loser's close was not the sink's business
+        assert len(accepted) == 2
+        ch.transport.close()
+        await ch.gone
+        assert len(sink.closed) == 1
+        server.close()
+    asyncio.run(scenario())
+
+
+def test_when_both_attempts_fail_the_first_s_error_is_raised(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        calls: list[int] = []
+
+        async def create_connection(*args: Any, **kwargs: Any) -> Any:
+            calls.append(len(calls))
+            if len(calls) == 1:
+                await asyncio.sleep(0.15)
+                raise ConnectionRefusedError("first")
+            raise ConnectionRefusedError("second")
+        monkeypatch.setattr(loop, "create_connection", create_connection)
+        with pytest.raises(ConnectionRefusedError, match="first"):
+            await connect("127.0.0.1", 9, Sink(), 1 << 20, hedge_after=0.1)
+        assert len(calls) == 2
+    asyncio.run(scenario())
+
+
+def test_the_default_hedge_is_well_under_the_kernel_s_syn_timeout() -> None:
+    assert 0.05 <= dataplane.HEDGE_AFTER <= 0.5
