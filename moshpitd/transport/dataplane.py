@@ -277,24 +277,44 @@ HEDGE_AFTER = 0.25
 async def connect(host: str, port: int, sink: FrameSink, max_payload: int,
                   hedge_after: float = HEDGE_AFTER) -> Channel:
     """A connection to a peer's data plane: the first of two attempts to be up, the second
-    started only if the first is not up after `hedge_after`. The loser is closed unseen by
-    the sink; an error is raised only when both attempts failed."""
+    started only if the first is not up after `hedge_after`. The loser never reaches the
+    sink, whenever it is given up; an error is raised only when both attempts failed."""
     loop = asyncio.get_running_loop()
+    made: dict[asyncio.Future[Channel], list[Channel]] = {}
 
-    async def attempt() -> Channel:
-        _, channel = await loop.create_connection(lambda: Channel(sink, max_payload), host,
-                                                  port)
-        return channel
+    def attempt() -> asyncio.Future[Channel]:
+        channels: list[Channel] = []
 
-    first = asyncio.ensure_future(attempt())
+        def channel() -> Channel:  # it exists (and may be connected) before the result does
+            channels.append(Channel(sink, max_payload))
+            return channels[-1]
+
+        async def run() -> Channel:
+            return (await loop.create_connection(channel, host, port))[1]
+        task = asyncio.ensure_future(run())
+        made[task] = channels
+        return task
+
+    def discard(loser: asyncio.Future[Channel]) -> None:
+        """Cut from the sink before anything closes it: a connection that asyncio closes
+        because its attempt was cancelled must not tell the sink its stream is gone."""
+        for ch in made[loser]:
+            ch.sink = None
+            if ch.transport is not None:
+                ch.transport.close()
+        if not loser.done():
+            loser.cancel()
+            loser.add_done_callback(lambda _: discard(loser))
+
+    first = attempt()
     try:
         done, _ = await asyncio.wait({first}, timeout=hedge_after)
     except asyncio.CancelledError:
-        _discard(first)
+        discard(first)
         raise
     if done:
         return first.result()
-    tries = [first, asyncio.ensure_future(attempt())]
+    tries = [first, attempt()]
     pending = set(tries)
     try:
         while pending:
@@ -303,29 +323,13 @@ async def connect(host: str, port: int, sink: FrameSink, max_payload: int,
             if won is not None:
                 for other in tries:
                     if other is not won:
-                        _discard(other)
+                        discard(other)
                 return won.result()
     except asyncio.CancelledError:
         for t in tries:
-            _discard(t)
+            discard(t)
         raise
     return tries[0].result()  # both failed: the first attempt's error
-
-
-def _discard(attempt: asyncio.Future[Channel]) -> None:
-    """Cancels a connection attempt, or closes its connection once it is up, so that it
-    never reaches the sink."""
-    def close(t: asyncio.Future[Channel]) -> None:
-        if not t.cancelled() and t.exception() is None:
-            channel = t.result()
-            channel.sink = None
-            if channel.transport is not None:
-                channel.transport.close()
-    if attempt.done():
-        close(attempt)
-    else:
-        attempt.cancel()
-        attempt.add_done_callback(close)
 
 
 async def serve(host: str, port: int, accept: Callable[[], Channel]) -> asyncio.Server:

@@ -133,6 +133,39 @@ def test_a_loser_up_at_the_same_time_as_the_winner_is_closed_unseen(
     asyncio.run(scenario())
 
 
+def test_a_loser_cancelled_after_its_connection_was_made_never_tells_the_sink(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first attempt's connection is made, but its attempt has not returned (a stalled
+    loop) when the second wins: cancelling it closes that connection, and the sink, shared
+    with the winner, must not hear of it (it would take the winner's stream for gone and the
+    round would keep local values)."""
+    async def scenario() -> None:
+        server, port, _ = await serve()
+        loop = asyncio.get_running_loop()
+        real = loop.create_connection
+        hold = asyncio.Event()
+        made: list[Channel] = []
+
+        async def create_connection(*args: Any, **kwargs: Any) -> Any:
+            out = await real(*args, **kwargs)
+            made.append(out[1])
+            if len(made) == 1:
+                await hold.wait()  # connected, but the attempt is not done
+            return out
+        monkeypatch.setattr(loop, "create_connection", create_connection)
+        sink = Sink()
+        ch = await connect("127.0.0.1", port, sink, 1 << 20, hedge_after=0.1)
+        assert len(made) == 2 and ch is made[1]
+        await asyncio.wait_for(made[0].gone, 5)
+        assert sink.closed == [] and made[0].sink is None
+        assert ch.transport is not None and not ch.transport.is_closing()
+        ch.transport.close()
+        await ch.gone
+        assert len(sink.closed) == 1
+        server.close()
+    asyncio.run(scenario())
+
+
 def test_when_both_attempts_fail_the_first_s_error_is_raised(
         monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
