@@ -107,11 +107,7 @@ def optimal_shares(up: Sequence[float], down: Sequence[float], senders: Sequence
     def filled(level: float) -> np.ndarray:
         """Each owner's share when it may take as much as keeps it within `level`, kept
         within what T* allows it: shares grow with the level, from lo (0) to hi (T*)."""
-        top = np.full(own.size, np.inf)
-        for const, slope, rate in ((a, b, u), (c, e, d)):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                top = np.where(slope > 0, np.minimum(top, (level * rate - const) / slope), top)
-        return np.minimum(np.maximum(top, lo), hi)
+        return np.minimum(np.maximum(interval(level)[1], lo), hi)
 
     # the least level whose filled shares reach 1 (it is at most T*, where they are hi)
     l_lo, l_hi = 0.0, t_hi

@@ -98,67 +98,40 @@ def test_a_held_first_attempt_loses_to_the_second_and_never_reaches_the_sink(
     asyncio.run(scenario())
 
 
-def test_a_loser_up_at_the_same_time_as_the_winner_is_closed_unseen(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The slow first attempt connects just as the second does: one is used, the other is
-    closed, and its close never reaches the sink."""
+@pytest.mark.parametrize("released", [True, False], ids=["up-with-the-winner", "cancelled"])
+def test_a_loser_whose_connection_was_made_is_closed_and_never_tells_the_sink(
+        monkeypatch: pytest.MonkeyPatch, released: bool) -> None:
+    """The first attempt's connection is made, but its attempt has not returned when the
+    second is up: it returns together with the second (`released`), or is still pending (a
+    stalled loop) and gets cancelled, which closes that connection. Either way the loser is
+    closed, and the sink, shared with the winner, never hears of it (it would take the
+    winner's stream for gone and the round would keep local values)."""
     async def scenario() -> None:
         server, port, accepted = await serve()
         loop = asyncio.get_running_loop()
         real = loop.create_connection
-        both_up = asyncio.Event()
+        second_up = asyncio.Event()
         made: list[Channel] = []
 
         async def create_connection(*args: Any, **kwargs: Any) -> Any:
             out = await real(*args, **kwargs)
             made.append(out[1])
-            if len(made) == 2:
-                both_up.set()
-            await both_up.wait()  # the first is held until the second is up too
+            if len(made) == 2 and released:
+                second_up.set()
+            if len(made) == 1 or released:
+                await second_up.wait()  # connected, but the attempt is not done
             return out
         monkeypatch.setattr(loop, "create_connection", create_connection)
         sink = Sink()
         ch = await connect("127.0.0.1", port, sink, 1 << 20, hedge_after=0.1)
         assert len(made) == 2 and ch in made
+        if not released:
+            assert ch is made[1]
         loser = made[1] if ch is made[0] else made[0]
         await asyncio.wait_for(loser.gone, 5)
-        assert loser.sink is None
+        assert sink.closed == [] and loser.sink is None
         assert ch.transport is not None and not ch.transport.is_closing()
-        assert sink.closed == []  # the loser's close was not the sink's business
         assert len(accepted) == 2
-        ch.transport.close()
-        await ch.gone
-        assert len(sink.closed) == 1
-        server.close()
-    asyncio.run(scenario())
-
-
-def test_a_loser_cancelled_after_its_connection_was_made_never_tells_the_sink(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first attempt's connection is made, but its attempt has not returned (a stalled
-    loop) when the second wins: cancelling it closes that connection, and the sink, shared
-    with the winner, must not hear of it (it would take the winner's stream for gone and the
-    round would keep local values)."""
-    async def scenario() -> None:
-        server, port, _ = await serve()
-        loop = asyncio.get_running_loop()
-        real = loop.create_connection
-        hold = asyncio.Event()
-        made: list[Channel] = []
-
-        async def create_connection(*args: Any, **kwargs: Any) -> Any:
-            out = await real(*args, **kwargs)
-            made.append(out[1])
-            if len(made) == 1:
-                await hold.wait()  # connected, but the attempt is not done
-            return out
-        monkeypatch.setattr(loop, "create_connection", create_connection)
-        sink = Sink()
-        ch = await connect("127.0.0.1", port, sink, 1 << 20, hedge_after=0.1)
-        assert len(made) == 2 and ch is made[1]
-        await asyncio.wait_for(made[0].gone, 5)
-        assert sink.closed == [] and made[0].sink is None
-        assert ch.transport is not None and not ch.transport.is_closing()
         ch.transport.close()
         await ch.gone
         assert len(sink.closed) == 1
