@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,3 +67,16 @@ def assert_close_to_mean(result: torch.Tensor, inputs: list[torch.Tensor],
         f"{bad.sum()} of {bad.size} elements off; worst {err.max():.3g} at "
         f"{np.unravel_index(err.argmax(), err.shape)}"
     )
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_swarm_smoke(out: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """`python -m bench.swarm --smoke --json` with `args`, writing to `out`: its JSON results
+    and its stderr (the run must exit 0)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.swarm", "--smoke", "--json",
+                           "--out", str(out), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from netlab import missing_prerequisites
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.helpers import run_swarm_smoke
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -32,17 +29,14 @@ def test_two_trainers_per_host_one_peer_or_two(tmp_path: Path) -> None:
     if reason:
         pytest.skip(reason)
     out = tmp_path / "swarm"
-    proc = subprocess.run([sys.executable, "-m", "bench.swarm", "--smoke", "--scenario", "multi",
-                           "--hosts", "2", "--budget", "8", "--json", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results, stderr = run_swarm_smoke(out, "--scenario", "multi", "--hosts", "2",
+                                      "--budget", "8")
     rows = {row["system"]: row for row in results["scenarios"]["multi"]["rows"]}
-    assert set(rows) == {"moshpit-local", "moshpit-each"}, proc.stderr[-6000:]
+    assert set(rows) == {"moshpit-local", "moshpit-each"}, stderr[-6000:]
     assert (rows["moshpit-local"]["peers"], rows["moshpit-each"]["peers"]) == (2, 4)
     for system, row in rows.items():
         assert row["trainers_per_host"] == 2
-        assert row["syncs_ok"] >= 1, (system, row, proc.stderr[-4000:])
+        assert row["syncs_ok"] >= 1, (system, row, stderr[-4000:])
         assert math.isfinite(row["loss_end"]) and row["loss_end_from_done"], (system, row)
         assert row["loss_end"] < row["curve"][0]["loss"], (system, row["curve"])
         assert row["bytes_total"] > 0, (system, row)

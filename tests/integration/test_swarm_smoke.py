@@ -11,10 +11,7 @@ and the table and PNG on disk. Needs root, ip/tc/nft, a writable CPU cgroup and 
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +19,7 @@ import pytest
 from bench.swarm.orchestrator import PEERS_PYTHON
 from bench.swarm.systems import SMOKE_SYSTEMS
 from netlab import missing_prerequisites
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.helpers import run_swarm_smoke
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -35,16 +31,12 @@ def test_smoke_runs_every_system(tmp_path: Path) -> None:
     if not PEERS_PYTHON.exists():
         pytest.skip(f"{PEERS_PYTHON} missing (`make peers` builds it; `make test` does)")
     out = tmp_path / "swarm"
-    proc = subprocess.run([sys.executable, "-m", "bench.swarm", "--smoke", "--json",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results, stderr = run_swarm_smoke(out)
     rows = {row["system"]: row for row in results["scenarios"]["lan"]["rows"]}
-    assert set(rows) == set(SMOKE_SYSTEMS), proc.stderr[-6000:]
+    assert set(rows) == set(SMOKE_SYSTEMS), stderr[-6000:]
     start = None
     for system, row in rows.items():
-        assert row["syncs_ok"] >= 1, (system, row, proc.stderr[-4000:])
+        assert row["syncs_ok"] >= 1, (system, row, stderr[-4000:])
         assert math.isfinite(row["loss_end"]) and row["loss_end_from_done"], (system, row)
         start = row["curve"][0]["loss"]
         assert row["curve"][0]["t"] == 0.0
