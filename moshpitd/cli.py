@@ -13,7 +13,7 @@ from typing import Any
 
 from moshpitd import __version__
 from moshpitd.config import ConfigError, Settings, add_flags, load
-from moshpitd.identity import IdentityError, PeerKey
+from moshpitd.identity import IdentityError, KeyFileLock, PeerKey, default_key_file
 from moshpitd.logs import setup_logging
 from moshpitd.transport.security import load_secrets
 
@@ -65,11 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"moshpitd: configuration error: {exc}", file=sys.stderr)
         return 2
+    key_file = settings.peer_key_file or default_key_file()
+    lock: KeyFileLock | None = None
     try:  # checking never creates the key; starting does, on first start
         if not check_only:
-            identity: PeerKey | None = PeerKey.load_or_create(settings.peer_key_file)
-        elif os.path.lexists(settings.peer_key_file):
-            identity = PeerKey.load(settings.peer_key_file)
+            identity: PeerKey | None = PeerKey.load_or_create(key_file)
+            lock = KeyFileLock(key_file)  # held until this process ends
+        elif os.path.lexists(key_file):
+            identity = PeerKey.load(key_file)
         else:
             identity = None
     except IdentityError as exc:
@@ -80,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if secrets[0] is not None:
             print(f"moshpitd: swarm key fingerprint {secrets[0].fingerprint}", file=sys.stderr)
         if identity is not None:
-            print(f"moshpitd: peer id {identity.peer_id.hex()}", file=sys.stderr)
+            print(f"moshpitd: peer id {identity.peer_id.hex()} (key file {key_file})",
+                  file=sys.stderr)
+        else:
+            print(f"moshpitd: peer key file {key_file} (made at first start)", file=sys.stderr)
         print("moshpitd: configuration is valid", file=sys.stderr)
         return 0
     setup_logging(settings.log_level, settings.log_format)
@@ -90,11 +96,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from moshpitd.service import serve  # the heavy imports only once settings are valid
 
+    log.info("peer id %s, key file %s", identity.peer_id.hex() if identity else "?", key_file)
     try:
         return run(serve(settings, *secrets, identity=identity))
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ name gives the file key `part_size`, the environment variable `MOSHPITD_PART_SIZ
 file > defaults. A value is checked once, here, whatever its source, so a typo in any of them
 stops the daemon at start with the key's name, its source and the reason instead of surfacing
 as odd behaviour mid-training. Adding an option is one `option(...)` line below plus its use;
-`python -m moshpitd.config_docs` then rewrites the example file and the README's table.
+`python -m moshpitd.config_docs` then rewrites the example file and the settings table in
+docs/operator.md.
 """
 
 from __future__ import annotations
@@ -159,14 +160,17 @@ class Settings:
         "give every daemon of the swarm the same file; under systemd, pass it as a credential "
         "(see deploy/README.md). Clocks must agree within 30 s.")
     peer_key_file: str = option(
-        Str("PATH"), "/var/lib/moshpitd/peer.key", SECURITY,
+        Str("PATH"), "", SECURITY,
         "this daemon's Ed25519 private key, its identity: the peer id is the hash of its public "
         "key and every DHT record it writes is signed with it; created (mode 0600) on first "
-        "start",
+        "start; empty: peer.key in $STATE_DIRECTORY under systemd, else in /var/lib/moshpitd "
+        "where this user may write there, else in $XDG_STATE_HOME/moshpitd "
+        "(~/.local/state/moshpitd)",
         note="Keep it across restarts and never share it between daemons: two daemons with one "
-        "key are one peer to the swarm. A file readable by others, or one that holds no Ed25519 "
-        "key, stops the daemon at start. The systemd unit's StateDirectory makes "
-        "/var/lib/moshpitd; elsewhere, choose a path the daemon's user may write.")
+        "key are one peer to the swarm. A running daemon locks its file, and a second daemon "
+        "given the same file exits at once naming the file and the holder's pid. A file "
+        "readable by others, or one that holds no Ed25519 key, stops the daemon at start. "
+        "Several daemons of one user on one host need a file each.")
     data_encryption: str = option(
         Choice(("auto", "off")), "auto", SECURITY,
         "auto: data-plane streams are encrypted and every frame authenticated (AES-256-GCM, "

@@ -7,15 +7,20 @@ The id is also the daemon's Kademlia node id (20 bytes, like Kademlia's own).
 
 The private key lives in a file (PKCS#8 PEM, as `openssl genpkey -algorithm ed25519` writes
 it) that is created, mode 0600, on first start: the identity survives restarts. A file that
-others may read, or that does not hold an Ed25519 key, stops the daemon at start.
+others may read, or that does not hold an Ed25519 key, stops the daemon at start. A running
+daemon holds an exclusive lock on its file (`KeyFileLock`): two daemons with one key would be
+one peer to the swarm, and every round of both would fail with nothing naming the cause.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -26,8 +31,11 @@ PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 MAX_KEY_FILE = 1 << 16
 
-__all__ = ["PEER_ID_BYTES", "PUBLIC_KEY_BYTES", "SIGNATURE_BYTES", "IdentityError", "PeerKey",
-           "peer_id_of", "verify"]
+KEY_FILE_NAME = "peer.key"
+SYSTEM_STATE_DIR = "/var/lib/moshpitd"
+
+__all__ = ["PEER_ID_BYTES", "PUBLIC_KEY_BYTES", "SIGNATURE_BYTES", "IdentityError", "KeyFileLock",
+           "PeerKey", "default_key_file", "peer_id_of", "verify"]
 
 
 class IdentityError(ValueError):
@@ -124,3 +132,68 @@ class PeerKey:
                 os.unlink(path)
             raise
         return key
+
+
+def _may_write(directory: str) -> bool:
+    """Whether this user may make files in `directory`, or make it (its parent writable)."""
+    target = directory if os.path.isdir(directory) else os.path.dirname(directory)
+    return os.access(target, os.W_OK | os.X_OK)
+
+
+def default_key_file(env: Mapping[str, str] | None = None, system_dir: str = SYSTEM_STATE_DIR,
+                     may_write: Callable[[str], bool] = _may_write) -> str:
+    """Where a daemon keeps its key when peer_key_file is empty, by who runs it: systemd's
+    state directory; else the system's, where this user may write it (root, or the Kubernetes
+    manifest's mounted volume); else the user's own state directory. A user's daemons thus
+    never fall back on one shared path that only root could have made."""
+    env = os.environ if env is None else env
+    if state := env.get("STATE_DIRECTORY", "").split(":")[0]:
+        return os.path.join(state, KEY_FILE_NAME)
+    if may_write(system_dir):
+        return os.path.join(system_dir, KEY_FILE_NAME)
+    base = env.get("XDG_STATE_HOME") or os.path.join(
+        env.get("HOME") or str(Path.home()), ".local", "state")
+    return os.path.join(base, "moshpitd", KEY_FILE_NAME)
+
+
+def _lock_holder(st: os.stat_result) -> int | None:
+    """The pid holding a flock on the file with this inode, read from /proc/locks (Linux)."""
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (blocked waiters: "->")
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted:
+                    return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class KeyFileLock:
+    """An exclusive flock on the key file, held by an open descriptor for the daemon's life.
+    The kernel drops it when the process ends, however it ends, so a crash leaves no stale
+    lock behind."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._fd: int | None = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise IdentityError(f"cannot open peer key file {path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _lock_holder(os.fstat(self._fd))
+            self.release()
+            who = f" (pid {holder})" if holder is not None and holder != os.getpid() else ""
+            raise IdentityError(
+                f"peer key file {path} is in use by another running daemon{who}: two daemons "
+                "with one key are one peer to the swarm; give each its own peer_key_file"
+            ) from None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -71,13 +71,16 @@ class DaemonProcess:
 def start_daemon(name: str, workdir: Path, bootstrap: list[str] | None = None,
                  log_level: str = "INFO", extra_args: list[str] | None = None,
                  host: str = "127.0.0.1", ready_timeout: float = 20.0,
-                 wait: bool = True, env: dict[str, str] | None = None) -> DaemonProcess:
+                 wait: bool = True, env: dict[str, str] | None = None,
+                 command: list[str] | None = None) -> DaemonProcess:
+    """`command` is the program and its first arguments (default: this interpreter's
+    `-m moshpitd`), e.g. an installed entry point run apart from the source tree."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / f"{name}.ready.json"
     with contextlib.suppress(FileNotFoundError):
         ready.unlink()
     args = [
-        sys.executable, "-m", "moshpitd",
+        *(command or [sys.executable, "-m", "moshpitd"]),
         "--dht-listen", f"{host}:0", "--grpc-listen", f"{host}:0",
         "--metrics-listen", f"{host}:0",
         "--ipc-socket", str(workdir / f"{name}.sock"),

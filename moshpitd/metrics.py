@@ -75,10 +75,11 @@ class Metrics:
             self.excluded_parts.labels(fault).inc(parts)
 
     def watch_dht(self, peers: Callable[[], int],
-                  rpcs: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
+                  rpcs: Callable[[], Mapping[tuple[str, str, str], int]],
+                  own_id_elsewhere: Callable[[], int] = lambda: 0) -> None:
         """Read at scrape time, so the numbers are never stale."""
         self.dht_peers.set_function(peers)
-        self.registry.register(_DHTCollector(rpcs))
+        self.registry.register(_DHTCollector(rpcs, own_id_elsewhere))
 
     def watch_auth(self, rejected: Callable[[], Mapping[str, int]]) -> None:
         self.registry.register(_AuthCollector(rejected))
@@ -206,8 +207,10 @@ class _DataPlaneCollector(Collector):
 
 
 class _DHTCollector(Collector):
-    def __init__(self, rpcs: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
+    def __init__(self, rpcs: Callable[[], Mapping[tuple[str, str, str], int]],
+                 own_id_elsewhere: Callable[[], int]) -> None:
         self.rpcs = rpcs
+        self.own_id_elsewhere = own_id_elsewhere
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily("moshpitd_dht_rpcs", "DHT RPCs: received by name, sent "
@@ -216,6 +219,9 @@ class _DHTCollector(Collector):
         for (direction, rpc, result), count in sorted(self.rpcs().items()):
             family.add_metric([direction, rpc, result], count)
         yield family
+        yield CounterMetricFamily(
+            "moshpitd_dht_own_id_elsewhere", "DHT requests naming this daemon's peer id from "
+            "another daemon: a second daemon runs with this peer key", self.own_id_elsewhere())
 
 
 class MetricsServer:

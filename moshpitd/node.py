@@ -96,8 +96,11 @@ class MoshpitNode:
         self._bootstrap_task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
         self.states: StateStore | None = None
-        self.metrics.watch_dht(self.dht.peer_count, lambda: self.dht.protocol.rpcs
-                               if getattr(self.dht, "protocol", None) else {})
+        self.metrics.watch_dht(
+            self.dht.peer_count,
+            lambda: self.dht.protocol.rpcs if getattr(self.dht, "protocol", None) else {},
+            lambda: self.dht.protocol.own_id_elsewhere
+            if getattr(self.dht, "protocol", None) else 0)
         self.draining = False
         self._runner: RoundRunner | None = None
         self.local = LocalGroups(self._average_view, lambda timeout: self.runner.clock(timeout),

@@ -4,7 +4,7 @@ An option is a field of `moshpitd.config.Settings` made with `option()`: its nam
 its type a `Kind` (how a value is read from TOML, the environment or a flag, checked against
 bounds, and written back), plus a default, a doc line and the section it is listed under. The
 file key, the `MOSHPITD_*` variable, the flag, `--check-config`'s output, the example file and
-the README's table are all computed from that one declaration.
+the settings table in docs/operator.md are all computed from that one declaration.
 """
 
 from __future__ import annotations

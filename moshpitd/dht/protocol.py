@@ -29,6 +29,8 @@ MISSES_TO_DROP = 2
 WELCOME_RATE = 5.0  # new contacts per second that get the records they should hold
 WELCOME_BURST = 50
 ID_BYTES = 20
+OWN_ID_LOG_EVERY = 60.0  # seconds between errors about one address that holds our peer key
+OWN_ID_LOG_ADDRESSES = 64
 # Copies of each record: the writer's own, plus one on each of the REPLICAS nodes closest to
 # its key. Every lookup and every store asks those nodes, so each costs 2 * REPLICAS datagrams
 # whatever the swarm's size (kademlia's k = 20 made every store in a swarm of 16 reach all 15
@@ -62,6 +64,9 @@ class SubkeyProtocol(KademliaProtocol):
         self._misses: dict[bytes, int] = {}  # contact -> unanswered RPCs in a row
         self._welcome_tokens = float(WELCOME_BURST)
         self._welcome_at = time.monotonic()
+        # requests naming our own node id that we did not send: another daemon holds our key
+        self.own_id_elsewhere = 0
+        self._own_id_logged: dict[tuple[str, int], float] = {}
 
     # --- datagram handling: never let a peer's bytes raise inside an unowned task ----------
     def connection_made(self, transport: Any) -> None:
@@ -99,6 +104,9 @@ class SubkeyProtocol(KademliaProtocol):
             self.malformed += 1
             return
         name, args = data
+        if (isinstance(args, list | tuple) and args and args[0] == self.source_node.id
+                and msg_id not in self._outstanding):
+            self._own_id_from(address, name)
         func = getattr(self, f"rpc_{name}", None)
         if func is None or not isinstance(args, list | tuple):
             self.malformed += 1
@@ -120,6 +128,24 @@ class SubkeyProtocol(KademliaProtocol):
             return
         if self.transport is not None:
             self.transport.sendto(reply, address)
+
+    def _own_id_from(self, address: tuple[str, int], name: str) -> None:
+        """A request that names our node id but is none of ours (those are in _outstanding,
+        however they loop back): a second daemon runs with this daemon's peer key. Kademlia
+        would silently drop it as a contact; the operator needs to hear of it, once a minute
+        per address at most."""
+        self.own_id_elsewhere += 1
+        now = time.monotonic()
+        if self._own_id_logged.get(address, -OWN_ID_LOG_EVERY) + OWN_ID_LOG_EVERY > now:
+            return
+        if len(self._own_id_logged) >= OWN_ID_LOG_ADDRESSES:
+            self._own_id_logged.clear()
+        self._own_id_logged[address] = now
+        here = self.transport.get_extra_info("sockname") if self.transport else None
+        log.error("another daemon uses this daemon's peer key: a %s request from %s:%d names "
+                  "our peer id %s, and this daemon is at %s; give each daemon its own "
+                  "peer_key_file", name, address[0], address[1], self.source_node.id.hex(),
+                  f"{here[0]}:{here[1]}" if here else "an unbound socket")
 
     # --- subkey RPCs --------------------------------------------------------------------------
     def rpc_store_sub(

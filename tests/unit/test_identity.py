@@ -14,7 +14,14 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from moshpitd.identity import IdentityError, PeerKey, peer_id_of, verify
+from moshpitd.identity import (
+    IdentityError,
+    KeyFileLock,
+    PeerKey,
+    default_key_file,
+    peer_id_of,
+    verify,
+)
 
 
 def test_key_file_is_made_private_once_and_then_kept(tmp_path: Path) -> None:
@@ -97,3 +104,48 @@ def test_the_daemon_refuses_a_bad_key_file_at_start(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "moshpitd", "--check-config", "--peer-key-file",
                           str(fresh)], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and not fresh.exists()  # checking makes nothing
+
+
+@pytest.mark.parametrize(("env", "system_writable", "expected"), [
+    ({"STATE_DIRECTORY": "/var/lib/moshpitd:/var/lib/other", "HOME": "/home/u"}, True,
+     "/var/lib/moshpitd/peer.key"),
+    ({"STATE_DIRECTORY": "/srv/state", "HOME": "/home/u"}, False, "/srv/state/peer.key"),
+    ({"HOME": "/home/u"}, True, "{system}/peer.key"),
+    ({"HOME": "/home/u", "XDG_STATE_HOME": "/x/state"}, False, "/x/state/moshpitd/peer.key"),
+    ({"HOME": "/home/u"}, False, "/home/u/.local/state/moshpitd/peer.key"),
+])
+def test_default_key_file_suits_who_runs_the_daemon(
+        env: dict[str, str], system_writable: bool, expected: str) -> None:
+    system = "/var/lib/moshpitd"
+    seen: list[str] = []
+
+    def may_write(path: str) -> bool:
+        seen.append(path)
+        return system_writable
+
+    assert default_key_file(env, system, may_write) == expected.format(system=system)
+    assert seen in ([], [system])  # only the system directory is ever tested
+
+
+def test_the_system_directory_is_writable_where_it_or_its_parent_is(tmp_path: Path) -> None:
+    missing = tmp_path / "moshpitd"  # root makes /var/lib/moshpitd at first start
+    assert default_key_file({"HOME": "/h"}, str(missing)) == str(missing / "peer.key")
+    assert default_key_file({"HOME": "/h"}, str(tmp_path / "no" / "such" / "dir")) == (
+        "/h/.local/state/moshpitd/peer.key")
+
+
+def test_a_locked_key_file_names_its_holder(tmp_path: Path) -> None:
+    path = tmp_path / "peer.key"
+    PeerKey.load_or_create(str(path))
+    holder = subprocess.Popen(  # another process holding the lock, as a running daemon does
+        [sys.executable, "-c", "import sys; from moshpitd.identity import KeyFileLock; "
+         "lock = KeyFileLock(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+         str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(IdentityError, match=f"{path} is in use by another running daemon "
+                           rf"\(pid {holder.pid}\)"):
+            KeyFileLock(str(path))
+    finally:
+        holder.communicate("", timeout=10)
+    KeyFileLock(str(path)).release()  # free once the holder is gone

@@ -18,7 +18,7 @@ Knobs (spec.knobs overrides each; the values below are what the benchmark uses):
   `final_group`, default H: the peers alive at the end), falling back to pairs if it cannot
   gather them, so the hosts' final models agree.
 - A host that comes back (rejoin) first downloads the state from its peers
-  (`load_state_from_peers`), as the README says a joiner should; if none answers within the
+  (`load_state_from_peers`), as docs/trainer.md says a joiner should; if none answers within the
   timeout it trains on from the initial model (its `rejoined` event carries the error).
 """
 
