@@ -22,36 +22,100 @@ import stat
 import struct
 import time
 
-WINDOW = 30.0  # seconds of clock skew plus delivery delay a message may show
+WINDOW = 30.0  # seconds a message may be late: delivery delay plus a slow sender's clock
+# Seconds a message may be dated ahead of our clock. Its nonce must be kept until its date
+# leaves the window, so this bounds how long a message can make us hold it (WINDOW + this).
+FUTURE_SKEW = 5.0
 NONCE = 12
 TAG = 32
 OVERHEAD = 8 + NONCE + TAG
 MIN_SECRET = 16
 MAX_REPLAY_ENTRIES = 200_000
+# One sender's share of a cache: a sender that fills its own share is refused, and everyone
+# else's messages still fit.
+REPLAY_SENDER_SHARE = 1 / 16
 
 
 class AuthError(Exception):
     """A message without a valid tag, outside the time window, or replayed."""
 
 
+def timestamp_error(sent: float, now: float, window: float = WINDOW) -> str | None:
+    """Why a message dated `sent` is refused at `now`, or None: at most `window` seconds late,
+    at most FUTURE_SKEW early."""
+    if -window <= sent - now <= FUTURE_SKEW:
+        return None
+    return (f"timestamp is {sent - now:+.1f} s off our clock (allowed: {window:.0f} s late, "
+            f"{FUTURE_SKEW:.0f} s early): clocks out of sync, or a replay")
+
+
 class ReplayCache:
     """Nonces of messages still inside the time window, each kept until its own timestamp
-    leaves the window (so no replay inside the window is ever forgotten). Bounded: when full
-    of live nonces, new messages are refused rather than old nonces dropped."""
+    leaves the window, so no replay inside the window is ever forgotten.
 
-    def __init__(self, window: float = WINDOW, max_entries: int = MAX_REPLAY_ENTRIES) -> None:
+    Constant time per message: nonces are filed in one-second buckets by when they may be
+    forgotten, and each check first drops the buckets whose second has passed (every bucket
+    is dropped once, so the work is amortized over the messages that filled it); nothing is
+    ever rebuilt. Bounded twice: in total (`max_entries`), and per sender (`per_sender`, a
+    share of the total), so that one sender filling the cache cannot refuse everyone else's
+    messages. When the cache, or a sender's share, is full of live nonces, new messages are
+    refused (never an old nonce forgotten early, which would let its message be replayed)
+    until their nonces expire: at most WINDOW + FUTURE_SKEW seconds."""
+
+    def __init__(self, window: float = WINDOW, max_entries: int = MAX_REPLAY_ENTRIES,
+                 per_sender: int | None = None) -> None:
         self.window = window
         self.max_entries = max_entries
-        self._seen: dict[bytes, float] = {}  # nonce -> when it can be forgotten
+        self.per_sender = per_sender or max(1, int(max_entries * REPLAY_SENDER_SHARE))
+        self._seen: dict[bytes, tuple[int, object]] = {}  # nonce -> (bucket, sender)
+        self._buckets: dict[int, list[bytes]] = {}  # second when forgotten -> nonces
+        self._swept = -1  # every bucket up to this second is gone
+        self._by_sender: dict[object, int] = {}
+        self.refused_full = 0  # refused because the cache or the sender's share was full
 
-    def check(self, nonce: bytes, sent: float, now: float) -> None:
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _sweep(self, now: float) -> None:
+        second = int(now)
+        if self._swept < 0:
+            self._swept = second - 1
+        if second - self._swept > len(self._buckets):  # a long gap: visit buckets, not seconds
+            for due in [b for b in self._buckets if b <= second]:
+                self._drop(due)
+        else:
+            for due in range(self._swept + 1, second + 1):
+                self._drop(due)
+        self._swept = max(self._swept, second)
+
+    def _drop(self, bucket: int) -> None:
+        for nonce in self._buckets.pop(bucket, ()):
+            _, sender = self._seen.pop(nonce)
+            left = self._by_sender[sender] - 1
+            if left:
+                self._by_sender[sender] = left
+            else:
+                del self._by_sender[sender]
+
+    def check(self, nonce: bytes, sent: float, now: float, sender: object = None) -> None:
+        """Refuses a replay, or a message that does not fit; else remembers its nonce.
+        `sender`: whoever the caller can tell apart (an address, a peer id) for the quota;
+        None: a caller that cannot tell (a gRPC deserializer), held to the total only."""
+        self._sweep(now)
         if nonce in self._seen:
             raise AuthError("replayed message")
         if len(self._seen) >= self.max_entries:
-            self._seen = {n: t for n, t in self._seen.items() if t > now}
-            if len(self._seen) >= self.max_entries:
-                raise AuthError("too many messages within the replay window")
-        self._seen[nonce] = sent + self.window
+            self.refused_full += 1
+            raise AuthError("too many messages within the replay window")
+        if sender is not None and self._by_sender.get(sender, 0) >= self.per_sender:
+            self.refused_full += 1
+            raise AuthError("too many messages from this sender within the replay window")
+        # forgotten in the first whole second after its date leaves the window (never early),
+        # and never before the next sweep: a message dated far back still waits one second
+        bucket = max(int(sent + self.window) + 1, self._swept + 1)
+        self._seen[nonce] = (bucket, sender)
+        self._buckets.setdefault(bucket, []).append(nonce)
+        self._by_sender[sender] = self._by_sender.get(sender, 0) + 1
 
 
 class SwarmKey:
@@ -95,7 +159,7 @@ class SwarmKey:
         return b"".join((head, payload, self._tag(purpose, context, head, payload)))
 
     def open(self, purpose: bytes, context: bytes, data: bytes | memoryview,
-             replay: ReplayCache | None = None) -> bytes:
+             replay: ReplayCache | None = None, sender: object = None) -> bytes:
         """The payload, or AuthError. Check order: length, tag, time, nonce."""
         view = memoryview(data)
         if len(view) < OVERHEAD:
@@ -106,9 +170,8 @@ class SwarmKey:
             raise AuthError("bad swarm-key tag (another key, or a tampered message)")
         (ms,) = struct.unpack(">Q", head[:8])
         now = time.time()
-        if abs(now - ms / 1000.0) > self.window:
-            raise AuthError(f"message timestamp is {now - ms / 1000.0:+.1f} s off (window "
-                            f"{self.window:.0f} s): clocks out of sync, or a replay")
+        if (why := timestamp_error(ms / 1000.0, now, self.window)) is not None:
+            raise AuthError("message " + why)
         if replay is not None:
-            replay.check(head[8:], ms / 1000.0, now)
+            replay.check(head[8:], ms / 1000.0, now, sender)
         return bytes(view[8 + NONCE:-TAG])

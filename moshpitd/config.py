@@ -158,7 +158,8 @@ class Settings:
         "dropped, so a daemon without the key can neither read nor store records nor join a "
         "group. Make one with `openssl rand -hex 32 > swarm.key && chmod 600 swarm.key` and "
         "give every daemon of the swarm the same file; under systemd, pass it as a credential "
-        "(see deploy/README.md). Clocks must agree within 30 s.")
+        "(see deploy/README.md). A message may be dated at most 30 s behind the receiver's "
+        "clock and 5 s ahead of it: keep clocks in sync (NTP).")
     peer_key_file: str = option(
         Str("PATH"), "", SECURITY,
         "this daemon's Ed25519 private key, its identity: the peer id is the hash of its public "

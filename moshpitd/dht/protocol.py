@@ -77,7 +77,7 @@ class SubkeyProtocol(KademliaProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self.auth is not None:
             try:
-                data = self.auth.open(b"dht", b"dht", data, self.replay)
+                data = self.auth.open(b"dht", b"dht", data, self.replay, addr)
             except AuthError as exc:
                 self.rpcs["received", "any", "unauthenticated"] += 1
                 log.debug("dropped a datagram from %s: %s", addr, exc)

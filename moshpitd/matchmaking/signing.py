@@ -29,7 +29,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from moshpitd.allreduce.group import Group
-from moshpitd.auth import WINDOW, AuthError, ReplayCache
+from moshpitd.auth import WINDOW, AuthError, ReplayCache, timestamp_error
 from moshpitd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, PeerKey, peer_id_of, verify
 from moshpitd.proto import moshpit_pb2 as pb
 
@@ -91,15 +91,15 @@ class PeerAuth:
         if peer_id_of(request.public_key) != request.peer_id:
             return "its public key is not its peer id's"
         now = time.time()
-        if abs(now - request.timestamp_ms / 1000.0) > self.window:
-            return (f"its timestamp is {now - request.timestamp_ms / 1000.0:+.1f} s off (window "
-                    f"{self.window:.0f} s): clocks out of sync, or a replay")
+        if (why := timestamp_error(request.timestamp_ms / 1000.0, now, self.window)) is not None:
+            return "its " + why
         if not verify(request.public_key, request.signature,
                       join_bytes(request, self.key.peer_id, tls_binding)):
             return ("its signature does not verify (signed for another leader, altered, or "
                     "sent over TLS with a certificate other than the one its peer key signed)")
         try:
-            self.replay.check(request.nonce, request.timestamp_ms / 1000.0, now)
+            self.replay.check(request.nonce, request.timestamp_ms / 1000.0, now,
+                              request.peer_id)
         except AuthError as exc:
             return str(exc)
         return None

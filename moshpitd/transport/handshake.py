@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from moshpitd.allreduce.group import Group
-from moshpitd.auth import OVERHEAD, WINDOW, AuthError, ReplayCache, SwarmKey
+from moshpitd.auth import OVERHEAD, WINDOW, AuthError, ReplayCache, SwarmKey, timestamp_error
 from moshpitd.identity import PeerKey, peer_id_of, verify
 from moshpitd.transport.framecrypt import KEY_BYTES, FrameCipher
 
@@ -164,9 +164,8 @@ class Handshake:
                 "and this daemon " + ("does" if self.mode else "does not") + ": every daemon of "
                 "a swarm needs the same data_encryption, swarm_key_file and TLS settings")
         now = time.time()
-        if abs(now - sent_ms / 1000.0) > self.window:
-            raise HandshakeError(f"HELLO time is {now - sent_ms / 1000.0:+.1f} s off (window "
-                                 f"{self.window:.0f} s): clocks out of sync, or a replay")
+        if (why := timestamp_error(sent_ms / 1000.0, now, self.window)) is not None:
+            raise HandshakeError("HELLO " + why)
         return Hello(group_id, mode, public, ephemeral, sent_ms, signature, bytes(payload))
 
     def accept(self, hello: Hello, group: Group, sender: int, receiver: int
@@ -179,7 +178,8 @@ class Handshake:
             raise HandshakeError(f"its signature as member {sender} does not verify (another "
                                  "key, or another view of the group)")
         try:  # after the signature: only genuine HELLOs take room in the cache
-            self.replay.check(hello.ephemeral, hello.sent_ms / 1000.0, time.time())
+            self.replay.check(hello.ephemeral, hello.sent_ms / 1000.0, time.time(),
+                              hello.public)
         except AuthError as exc:
             raise HandshakeError(f"HELLO {exc}") from None
         secret = X25519PrivateKey.generate() if hello.mode == ENCRYPTED else None

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
+from moshpitd.auth import FUTURE_SKEW, OVERHEAD, AuthError, ReplayCache, SwarmKey
 
 KEY = SwarmKey(b"k" * 32)
 
@@ -86,3 +86,59 @@ def test_secret_rules() -> None:
         SwarmKey(b"short")
     assert SwarmKey(b"a" * 16).fingerprint != SwarmKey(b"b" * 16).fingerprint
     assert SwarmKey(os.urandom(16)).fingerprint != KEY.fingerprint
+
+
+def test_a_message_dated_ahead_is_refused_past_the_future_skew() -> None:
+    import time
+    now = time.time()
+    for ahead, ok in ((FUTURE_SKEW - 0.5, True), (FUTURE_SKEW + 0.5, False), (29.5, False)):
+        with mock.patch("moshpitd.auth.time.time", return_value=now + ahead):
+            sealed = KEY.seal(b"dht", b"dht", b"x")
+        if ok:
+            assert KEY.open(b"dht", b"dht", sealed, ReplayCache()) == b"x"
+        else:
+            with pytest.raises(AuthError, match="early"):
+                KEY.open(b"dht", b"dht", sealed, ReplayCache())
+
+
+def test_one_sender_filling_its_share_leaves_room_for_the_others() -> None:
+    cache = ReplayCache(max_entries=64, per_sender=16)
+    for i in range(16):
+        cache.check(b"a%d" % i, 100.0, 100.0, "flooder")
+    with pytest.raises(AuthError, match="from this sender"):
+        cache.check(b"a-more", 100.0, 100.0, "flooder")
+    for i in range(16):  # another sender is untouched by the flood
+        cache.check(b"b%d" % i, 100.0, 100.5, "honest")
+    # the flooder's nonces expire with their dates, then it may send again
+    cache.check(b"a-later", 131.5, 131.5, "flooder")
+    assert len(cache) == 1  # every nonce dated 100.0 left with its window
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.floats(-40, 6), st.floats(0, 3),
+                          st.sampled_from(["a", "b", None])), max_size=120))
+def test_the_cache_decides_as_a_plain_model_does(
+        steps: list[tuple[int, float, float, str | None]]) -> None:
+    """Against a dictionary swept whole at every message: the same refusals, the same size."""
+    cache = ReplayCache(window=30.0, max_entries=24, per_sender=8)
+    model: dict[int, tuple[float, str | None]] = {}  # nonce -> (forget after, sender)
+    now = 1000.0
+    for nonce, offset, advance, sender in steps:
+        now += advance
+        sent = now + offset
+        model = {n: v for n, v in model.items() if v[0] >= int(now) + 1}
+        if nonce in model:
+            expect = "replayed"
+        elif len(model) >= 24:
+            expect = "too many messages within"
+        elif sender is not None and sum(s == sender for _, s in model.values()) >= 8:
+            expect = "from this sender"
+        else:
+            expect = ""
+            model[nonce] = (max(int(sent + 30.0) + 1, int(now) + 1), sender)
+        if expect:
+            with pytest.raises(AuthError, match=expect):
+                cache.check(b"%d" % nonce, sent, now, sender)
+        else:
+            cache.check(b"%d" % nonce, sent, now, sender)
+        assert len(cache) == len(model)
