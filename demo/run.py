@@ -1,13 +1,18 @@
-"""`make demo`: Moshpit SGD with churn on 127.0.0.1: 4 daemons and 4 trainers, one trainer
-killed, a 5th daemon and trainer joining.
+"""`make demo`: Moshpit SGD with churn on 127.0.0.1: 4 daemons and 4 trainers of a byte-level
+transformer on the Python documentation, one trainer killed, a 5th daemon and trainer joining.
 
-Each trainer trains an MLP on its shard of sklearn's digits with moshpit.Optimizer (Adam,
-averaged every few steps with its peers, optimizer state included). The last rank SIGKILLs
-itself at a third of training; once rank 0 is half-way, a fresh trainer joins on a new daemon,
-downloads the swarm's state from its peers and trains on the dead rank's shard to the end.
+Each trainer trains the results benchmark's model (bench.swarm.workload) on its own random
+windows of the text with moshpit.Optimizer (AdamW, averaged every few steps with its peers,
+optimizer state included) and prints its validation loss, in nats per byte, as it goes. The
+last rank SIGKILLs itself at a third of training; once rank 0 is half-way, a fresh trainer joins
+on a new daemon, downloads the swarm's state from its peers and trains on the dead rank's
+stream to the end. At the end, a PNG of every trainer's validation loss against time.
+
+The text is python3-doc's (bench.swarm.corpus); without that package, the pydoc topics that
+ship with Python.
 
 With --per-host N, each daemon stands for a host with N trainers (torchrun's
-LOCAL_WORLD_SIZE): they train replicas of the model on their own shards, and their daemon
+LOCAL_WORLD_SIZE): they train replicas of the model on their own streams, and their daemon
 averages their mean with the other hosts as one peer (local_world=N). Nobody leaves or joins.
 
 Trainers are separate processes started with subprocess (never forked); their output is streamed
@@ -19,24 +24,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from demo.data import save_split
+from bench.swarm.corpus import load_corpus, unigram_entropy
+from demo.corpus import INSTALL_HINT, DemoText, choose_text, trainer_env
+from demo.plot import Event, plot_validation
 from moshpitd.launcher import LaunchError, LocalSwarm, start_daemon, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"step (\d+)/(\d+)")
-EPOCH = re.compile(r"epoch (\d+)/\d+ .*held-out accuracy ([0-9.]+)")
-FINAL = re.compile(r"final accuracy ([0-9.]+)")
+VALIDATION = re.compile(r"step (\d+)/\d+: (?:train loss [0-9.]+, )?validation loss ([0-9.]+)$")
+FINAL = re.compile(r"final validation loss ([0-9.]+)")
+JOINED = re.compile(r"joined: validation loss ([0-9.]+) with its own fresh weights, ([0-9.]+) "
+                    r"with the state downloaded from peers; resuming at step (\d+)/")
 HOST = re.compile(r"host \d+: \d+ rounds under 'demo' as one peer, group sizes \[([0-9, ]*)\]")
 _print_lock = threading.Lock()
 
@@ -50,15 +59,15 @@ def say(line: str) -> None:
 class Trainer:
     """One trainer process, and what its output said so far (read by a thread)."""
 
-    def __init__(self, rank: int, args: list[str], half: threading.Event | None = None,
-                 stdin: int = subprocess.DEVNULL) -> None:
-        self.rank, self.half = rank, half
-        self.accs: dict[int, float] = {}  # epoch -> held-out accuracy
+    def __init__(self, rank: int, args: list[str], started: float, env: dict[str, str],
+                 half: threading.Event | None = None, stdin: int = subprocess.DEVNULL) -> None:
+        self.rank, self.half, self.started = rank, half, started
+        self.curve: list[tuple[float, int, float]] = []  # (seconds, step, validation loss)
         self.final: float | None = None
-        self.left_at: int | None = None  # the step it said it was leaving at
-        self.joined_at: int | None = None
+        self.left: tuple[float, int] | None = None  # (seconds, step) it said it left at
+        self.joined: tuple[float, int, float, float] | None = None  # seconds, step, losses
         self.host_groups: list[int] = []  # --per-host, a local rank 0: its host's group sizes
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "demo.trainer", "--rank", str(rank), *args], cwd=ROOT,
             env=env, stdin=stdin, stdout=subprocess.PIPE,
@@ -72,17 +81,19 @@ class Trainer:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             line = line.rstrip("\n")
+            now = time.monotonic() - self.started
             step = STEP.search(line)
-            if match := EPOCH.search(line):
-                self.accs[int(match.group(1))] = float(match.group(2))
+            if match := VALIDATION.search(line):
+                self.curve.append((now, int(match.group(1)), float(match.group(2))))
             elif match := FINAL.search(line):
                 self.final = float(match.group(1))
+            elif match := JOINED.search(line):
+                self.joined = (now, int(match.group(3)), float(match.group(1)),
+                               float(match.group(2)))
             elif match := HOST.search(line):
                 self.host_groups = [int(n) for n in match.group(1).split(",") if n.strip()]
             elif step and "leaving:" in line:
-                self.left_at = int(step.group(1))
-            elif step and "joined:" in line:
-                self.joined_at = int(step.group(1))
+                self.left = (now, int(step.group(1)))
             if self.half is not None and step and 2 * int(step.group(1)) >= int(step.group(2)):
                 self.half.set()
             say(line if line.startswith(prefix) else prefix + line)
@@ -109,18 +120,6 @@ def wait_until(event: threading.Event, watched: Trainer, deadline: float) -> boo
     return True
 
 
-def curve(trainers: list[Trainer], epochs: int, width: int = 40) -> None:
-    """Held-out accuracy per epoch and trainer, with a bar for rank 0's."""
-    accs0 = trainers[0].accs.values()
-    low = max(math.floor(10 * min(accs0, default=0.0) - 0.5) / 10, 0.0)  # the bar's zero
-    print("held-out accuracy after each epoch ('-': not running then):")
-    print("epoch " + "".join(f" rank {t.rank}" for t in trainers) + f"  rank 0, {low:.1f} to 1")
-    for e in range(1, epochs + 1):
-        cells = "".join(f"{t.accs[e]:>7.3f}" if e in t.accs else f"{'-':>7}" for t in trainers)
-        bar = "#" * round(width * max(trainers[0].accs.get(e, low) - low, 0) / (1 - low))
-        print(f"{e:>5} {cells}  {bar}")
-
-
 @contextlib.contextmanager
 def deferred_interrupt() -> Iterator[None]:
     """Hold a Ctrl-C back until the block is done, then raise it.
@@ -141,31 +140,30 @@ def deferred_interrupt() -> Iterator[None]:
 
 
 def churn(swarm: LocalSwarm, trainers: list[Trainer], args: argparse.Namespace,
-          extra: list[str], deadline: float) -> None:
-    """Start the trainers, the joiner's daemon at half-time, and wait for them all."""
+          common: list[str], env: dict[str, str], started: float) -> None:
+    """Start the trainers, the joiner's daemon once rank 0 is half-way, and wait for them."""
     leaver, world = args.world - 1, args.world
-    data = swarm.workdir / "digits.npz"  # split once here: trainers skip importing sklearn
-    save_split(data)
-    common = ["--world", str(world), "--data", str(data), "--epochs", str(args.epochs), *extra]
+    deadline = started + args.deadline
     half = threading.Event()
     for rank, socket in enumerate(swarm.sockets):
         leave = ["--leave-at", str(1 / 3)] if rank == leaver else []
-        trainers.append(Trainer(rank, ["--socket", socket, *common, *leave],
+        trainers.append(Trainer(rank, ["--socket", socket, *common, *leave], started, env,
                                 half if rank == 0 else None))
     # The joiner's process starts now, so that importing torch on a busy machine does not
-    # delay its joining; it waits, with fresh weights, for its daemon's socket on stdin.
-    joiner = Trainer(world, ["--socket", "-", "--shard", str(leaver), "--join", *common],
-                     stdin=subprocess.PIPE)
+    # delay its joining; it waits, with fresh weights, for a line on stdin: its daemon is up.
+    joining = swarm.workdir / "joiner.sock"  # where start_daemon("joiner") puts the socket
+    joiner = Trainer(world, ["--socket", str(joining), "--shard", str(leaver), "--join",
+                             *common], started, env, stdin=subprocess.PIPE)
     trainers.append(joiner)
     go = ""
     if wait_until(half, trainers[0], deadline):
         say(f"rank 0 is half-way: starting a new daemon for rank {world}, a fresh trainer "
-            f"taking over rank {leaver}'s shard")
+            f"taking over rank {leaver}'s stream")
         daemon = start_daemon("joiner", swarm.workdir, [swarm.daemons[0].dht], args.log_level,
                               wait=False)
         swarm.daemons.append(daemon)  # stopped with the others whatever happens
         wait_ready(daemon)
-        go = daemon.socket
+        go = "go"
     else:
         say("rank 0 never got half-way: no trainer joins")
     assert joiner.proc.stdin is not None
@@ -186,31 +184,40 @@ def wait_for(trainers: list[Trainer], deadline: float, budget: float) -> None:
 
 
 def per_host(swarm: LocalSwarm, trainers: list[Trainer], args: argparse.Namespace,
-             extra: list[str], deadline: float) -> None:
-    """Start per_host trainers on each daemon, each on a shard of its own, and wait for them."""
-    data = swarm.workdir / "digits.npz"
-    save_split(data)
+             common: list[str], env: dict[str, str], started: float) -> None:
+    """Start per_host trainers on each daemon, each on a stream of its own, and wait."""
     world = args.world * args.per_host
-    common = ["--world", str(world), "--data", str(data), "--epochs", str(args.epochs),
-              "--local-world", str(args.per_host), *extra]
     for rank in range(world):
         trainers.append(Trainer(rank, ["--socket", swarm.sockets[rank // args.per_host],
-                                       *common]))
-    wait_for(trainers, deadline, args.deadline)
+                                       "--world", str(world), "--local-world",
+                                       str(args.per_host), *common], started, env))
+    wait_for(trainers, started + args.deadline, args.deadline)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     started = time.monotonic()
-    swarm = LocalSwarm(args.world, args.workdir, args.log_level)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moshpit-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    say(f"workdir {workdir}: the daemons' logs and the plot")
+    text = choose_text(workdir, args.pydoc_topics)
+    if text.missing:
+        say(f"{text.missing}\n  for the Python documentation's text: {INSTALL_HINT}")
+    corpus = load_corpus(text.root)
+    entropy = unigram_entropy(corpus.train)
+    say(f"text: {text.name}: {len(corpus.train):,} training bytes, {len(corpus.validation):,} "
+        f"held out; byte unigram entropy {entropy:.3f} nats")
+    swarm = LocalSwarm(args.world, workdir, args.log_level)
     trainers: list[Trainer] = []
+    common = ["--steps", str(args.steps), *extra]
     try:
         with deferred_interrupt():
             swarm.start()
         say(f"started {args.world} daemons in {time.monotonic() - started:.1f} s")
         if args.per_host:
-            per_host(swarm, trainers, args, extra, started + args.deadline)
+            per_host(swarm, trainers, args, common, trainer_env(text), started)
         else:
-            churn(swarm, trainers, args, extra, started + args.deadline)
+            churn(swarm, trainers, args, ["--world", str(args.world), *common],
+                  trainer_env(text), started)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop this
         stop_trainers(trainers)
@@ -221,50 +228,77 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 print(f"daemon {d.name} died (exit {d.proc.returncode}):\n{d.log_tail()}")
         swarm.stop()
     print(f"finished in {time.monotonic() - started:.1f} s")
+    plot = draw(trainers, args, text, entropy, Path(args.plot or workdir / "validation.png"))
+    summarize(trainers, args, entropy)
+    print(f"plot of the validation loss against time: {plot}")
     if args.per_host:
         return report_hosts(trainers, args)
     return report(trainers, args.world - 1, args)
 
 
+def draw(trainers: list[Trainer], args: argparse.Namespace, text: DemoText, entropy: float,
+         path: Path) -> Path:
+    events = []
+    for t in trainers:
+        if t.left is not None:
+            events.append(Event(t.left[0], f"rank {t.rank} killed"))
+        if t.joined is not None:
+            events.append(Event(t.joined[0], f"rank {t.rank} joins"))
+    curves = {f"rank {t.rank}": [(s, loss) for s, _, loss in t.curve] for t in trainers}
+    hosts = f"{args.world} hosts of {args.per_host} trainers" if args.per_host else \
+        f"{args.world} trainers, one killed, one joining"
+    return plot_validation(path, curves, events, entropy, args.target,
+                           f"Moshpit SGD on 127.0.0.1, {hosts}: {text.root}")
+
+
+def summarize(trainers: list[Trainer], args: argparse.Namespace, entropy: float) -> None:
+    """When the validation loss (any trainer's) first fell below the target, and the start."""
+    points = sorted((s, loss, t.rank, step) for t in trainers for s, step, loss in t.curve)
+    if not points:
+        print("no validation loss reported")
+        return
+    first = next((p for p in points if p[1] < args.target), None)
+    reached = "never" if first is None else \
+        f"after {first[0]:.1f} s (rank {first[2]} at step {first[3]})"
+    print(f"validation loss, nats per byte (byte unigram entropy {entropy:.3f}): "
+          f"{points[0][1]:.3f} at the start, below {args.target:g} {reached}")
+
+
 def report(trainers: list[Trainer], leaver: int, args: argparse.Namespace) -> int:
-    """The curve, every trainer's outcome; 0 if all went as planned and accuracy is high."""
-    curve(trainers, args.epochs)
+    """Every trainer's outcome; 0 if all went as planned and the loss is below the target."""
     failed, finals = False, []
     for t in trainers:
         code = t.proc.returncode
         if t.rank == leaver:
-            ok = code == -signal.SIGKILL and t.left_at is not None
-            print(f"trainer {t.rank}: exit {code}, "
-                  + (f"killed at step {t.left_at} as planned" if ok else "NOT killed as planned"))
+            ok = code == -signal.SIGKILL and t.left is not None
+            print(f"trainer {t.rank}: exit {code}, " + (
+                f"killed at step {t.left[1]} as planned" if ok and t.left is not None
+                else "NOT killed as planned"))
         else:
             ok = code == 0 and t.final is not None
-            joined = f"joined at step {t.joined_at}, " if t.joined_at is not None else ""
-            acc = "missing" if t.final is None else f"{t.final:.4f}"
-            print(f"trainer {t.rank}: exit {code}, {joined}final held-out accuracy {acc}")
+            joined = "" if t.joined is None else (
+                f"joined at step {t.joined[1]} (validation loss {t.joined[2]:.3f} with fresh "
+                f"weights, {t.joined[3]:.3f} with the downloaded state), ")
+            loss = "missing" if t.final is None else f"{t.final:.4f}"
+            print(f"trainer {t.rank}: exit {code}, {joined}final validation loss {loss}")
             if t.final is not None:
                 finals.append(t.final)
         failed |= not ok
     if failed:
         print("FAILED: not every trainer left, joined or finished as planned")
         return 1
-    mean = sum(finals) / len(finals)
-    print(f"mean final held-out accuracy of the {len(finals)} trainers at the end: {mean:.4f}")
-    if mean <= args.min_accuracy:
-        print(f"FAILED: mean accuracy is not above {args.min_accuracy}")
-        return 1
-    return 0
+    return check_final(finals, args)
 
 
 def report_hosts(trainers: list[Trainer], args: argparse.Namespace) -> int:
     """--per-host: every trainer finished with one model, and every host averaged as one
     peer (groups of at most --world, never one member per trainer), as its local rank 0 read
     from its daemon."""
-    curve(trainers, args.epochs)
     failed = False
     for t in trainers:
-        acc = "missing" if t.final is None else f"{t.final:.4f}"
+        loss = "missing" if t.final is None else f"{t.final:.4f}"
         print(f"trainer {t.rank} (host {t.rank // args.per_host}): exit {t.proc.returncode}, "
-              f"final held-out accuracy {acc}")
+              f"final validation loss {loss}")
         failed |= t.proc.returncode != 0 or t.final is None
     for host in range(args.world):
         sizes = trainers[host * args.per_host].host_groups
@@ -272,11 +306,15 @@ def report_hosts(trainers: list[Trainer], args: argparse.Namespace) -> int:
     if failed:
         print("FAILED: not every trainer finished, or a host did not average as one peer")
         return 1
-    finals = [t.final for t in trainers if t.final is not None]
+    return check_final([t.final for t in trainers if t.final is not None], args)
+
+
+def check_final(finals: list[float], args: argparse.Namespace) -> int:
     mean = sum(finals) / len(finals)
-    print(f"mean final held-out accuracy of the {len(finals)} trainers at the end: {mean:.4f}")
-    if mean <= args.min_accuracy:
-        print(f"FAILED: mean accuracy is not above {args.min_accuracy}")
+    print(f"mean final validation loss of the {len(finals)} trainers at the end: {mean:.4f} "
+          "nats per byte")
+    if mean >= args.target:
+        print(f"FAILED: the final validation loss is not below {args.target:g}")
         return 1
     return 0
 
@@ -291,12 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-host", type=int, default=0, metavar="N",
                    help="N trainers per daemon, averaging as one peer (local_world=N); "
                    "nobody leaves or joins")
-    p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--min-accuracy", type=float, default=0.85)
+    p.add_argument("--steps", type=int, default=600, help="local steps of each trainer")
+    p.add_argument("--target", type=float, default=2.8,
+                   help="the final validation loss (nats per byte) must be below this")
+    p.add_argument("--plot", help="where to write the PNG (default: validation.png in the "
+                   "workdir)")
+    p.add_argument("--pydoc-topics", action="store_true",
+                   help="train on Python's pydoc topics even where python3-doc is installed")
     p.add_argument("--deadline", type=float, default=150.0,
                    help="seconds before unfinished trainers are stopped and the demo fails")
-    p.add_argument("--workdir", help="keep the daemons' sockets and logs here (default: a "
-                   "temporary directory, removed at the end)")
+    p.add_argument("--workdir", help="keep the daemons' sockets and logs here (default: a new "
+                   "directory under the system's temporary one, kept after the end)")
     p.add_argument("--log-level", default="INFO", help="the daemons' log level")
     args, extra = p.parse_known_args(argv)
     if args.per_host < 0:

@@ -136,15 +136,21 @@ def plan_round(grid: Grid, own_round: int, coords: Coords,
     rounds = [(c, r) for c, r in peers]
     if not rounds:
         return own_round
-    r = max(own_round, min(pr for _, pr in rounds))
+    start = max(own_round, min(pr for _, pr in rounds))
     top = max(pr for _, pr in rounds)
-    while r < top:
-        line = grid.line(r, coords)
-        mates = [pr for c, pr in rounds if grid.line(r, c) == line]
-        if mates and not all(pr > r for pr in mates):
-            break
-        r += 1
-    return r
+    if start >= top:
+        return start
+    # The first r in [start, top) with a line-mate that has not passed r, found without
+    # walking the rounds (their numbers come from peers): a peer shares our line on the axes
+    # where it differs from us in no other coordinate, so for each such axis the earliest
+    # round is the first r >= max(start, its round) on that axis.
+    best = top
+    for c, pr in rounds:
+        for axis in range(grid.dims):
+            if grid.line(axis, c) == grid.line(axis, coords):
+                first = max(start, pr)
+                best = min(best, first + (axis - first) % grid.dims)
+    return best
 
 
 def carried_weight(group_weight: float, members: int) -> float:

@@ -47,6 +47,13 @@ SETTLE_SECONDS = 0.3  # s
 # may still be starting (bootstrapping the DHT, choosing a cell) and not have declared yet.
 FIRST_GRACE = 1.0  # s
 
+# A record whose round is further than this ahead of the run's (the lower median of the other
+# peers' rounds) is not believed: one identity's record at round 2^61 would otherwise carry its
+# line-mates there, and every honest peer after them. Honest peers of a run sit within a few
+# rounds of each other; one that joins late catches up to the median, which liars in a
+# minority cannot move.
+MAX_ROUND_LEAD = 64
+
 # Our own entry, unchanged, is not stored again before this: a round's end already stored the
 # round the next plan declares, and the entry lives ENTRY_TTL.
 REFRESH_AFTER = ENTRY_TTL / 3
@@ -131,6 +138,14 @@ class RunDirectory:
                 others[entry.grid] += 1
                 continue
             out[pid] = entry
+        if out:
+            rounds = sorted(e.round for e in out.values())
+            limit = rounds[(len(rounds) - 1) // 2] + MAX_ROUND_LEAD
+            ahead = [pid for pid, e in out.items() if e.round > limit]
+            for pid in ahead:
+                log.debug("%s: ignoring %s's entry at round %d (the run is near %d)",
+                          self.key, pid.hex()[:12], out[pid].round, limit - MAX_ROUND_LEAD)
+                del out[pid]
         members = frozenset(out)
         if members != self._members:
             self._members, self._changed_at = members, time.monotonic()

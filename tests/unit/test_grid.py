@@ -382,3 +382,40 @@ def test_plan_round_properties(m: int, d: int, own: int, data: st.DataObject) ->
         mates = [pr for c, pr in peers if grid.line(r, c) == grid.line(r, me)]
         if r < max(pr for _, pr in peers) and r > own:
             assert mates and not all(pr > r for pr in mates)
+
+
+def _plan_round_by_walking(grid: Grid, own_round: int, coords: tuple[int, ...],
+                           peers: list[tuple[tuple[int, ...], int]]) -> int:
+    """The rule as first written, a round at a time: the reference for small numbers."""
+    if not peers:
+        return own_round
+    r = max(own_round, min(pr for _, pr in peers))
+    top = max(pr for _, pr in peers)
+    while r < top:
+        line = grid.line(r, coords)
+        mates = [pr for c, pr in peers if grid.line(r, c) == line]
+        if mates and not all(pr > r for pr in mates):
+            break
+        r += 1
+    return r
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 3), st.integers(0, 40), st.data())
+def test_plan_round_agrees_with_the_walk(dims: int, size: int, own: int,
+                                         data: st.DataObject) -> None:
+    from moshpitd.matchmaking.grid import plan_round
+    grid = Grid(size, dims)
+    cell = st.tuples(*[st.integers(0, size - 1)] * dims)
+    me = data.draw(cell)
+    peers = data.draw(st.lists(st.tuples(cell, st.integers(0, 60)), max_size=8))
+    assert plan_round(grid, own, me, peers) == _plan_round_by_walking(grid, own, me, peers)
+
+
+def test_plan_round_never_walks_towards_a_peer_supplied_round() -> None:
+    """Two records (one at round 0 off our lines, one at 2^61 on them) once made the
+    planner count to 2^61 on the event loop: now it answers at once."""
+    from moshpitd.matchmaking.grid import plan_round
+    grid = Grid(4, 2)
+    assert plan_round(grid, 0, (0, 0), [((1, 1), 0), ((0, 0), 1 << 61)]) == 1 << 61
+    assert plan_round(grid, 0, (0, 0), [((1, 1), 0), ((0, 1), 1 << 61)]) == 1 << 61
