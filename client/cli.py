@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from moshpit.client import Client
+from moshpit.control import DaemonControl
 from moshpit.errors import MoshpitError
 
 DEFAULT_SOCKET = os.environ.get("MOSHPIT_SOCKET", "/run/moshpitd/moshpitd.sock")
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sp.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
     try:
-        with Client(args.socket) as client:
+        with DaemonControl(args.socket) as client:
             if args.command == "status":
                 reply = client.status()
                 data: Any = {**reply["status"], "metrics": reply.get("metrics"),

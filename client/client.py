@@ -11,7 +11,6 @@ import contextlib
 import fcntl
 import mmap
 import os
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from moshpit.connection import DaemonConnection, R, decode_reply
+from moshpit.connection import decode_reply
+from moshpit.control import DaemonControl
 from moshpit.device_copy import DeviceCopier, address, on_cuda
 from moshpit.errors import (
     InvalidRequest,
@@ -96,13 +96,10 @@ class DeviceShare:
             and a.device == b.device for a, b in zip(tensors, self.tensors, strict=True))
 
 
-class Client:
+class Client(DaemonControl):
     """One connection to a daemon. Thread-safe: requests are serialised."""
 
     def __init__(self, socket_path: str, connect_timeout: float = 5.0) -> None:
-        self.socket_path = socket_path
-        self._lock = threading.Lock()
-        self._conn = DaemonConnection(socket_path, connect_timeout)
         self._mmap: mmap.mmap | None = None
         self._size = 0
         self._shared: list[tuple[int, int, int, mmap.mmap]] = []  # id, address, size, map
@@ -111,13 +108,7 @@ class Client:
         self.last_round: RoundInfo | None = None
         # the last download_state: {"version", "donors" (holders seen), "served_by"}
         self.last_download: dict[str, int] | None = None
-        try:
-            hello = self._hello(connect_timeout)
-        except BaseException:
-            self._conn.close()
-            raise
-        self.peer_id: str = hello.peer_id
-        self.daemon_version: str = hello.version
+        super().__init__(socket_path, connect_timeout)
 
     # --- public API -----------------------------------------------------------------------
     def average(self, tensors: Sequence[torch.Tensor], key: str, weight: float = 1.0,
@@ -290,27 +281,8 @@ class Client:
                        zip(views, specs, strict=True)]
             return tensors, dict(reply.meta)
 
-    def status(self) -> dict[str, Any]:
-        """{"status": the daemon's state, "metrics": its /metrics address, "ipc": its socket}."""
-        with self._lock:
-            return wire.encode(self._call(wire.StatusRequest(), wire.StatusReply,
-                                          timeout=LOCAL_REPLY_TIMEOUT))
-
-    def rounds(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return self._call(wire.RoundsRequest(), wire.RoundsReply,
-                              timeout=LOCAL_REPLY_TIMEOUT).rounds
-
-    def peers(self) -> dict[str, Any]:
-        """{"contacts": [{peer_id, dht}], "runs": {run: [{peer_id, coords, round, grpc}]}}.
-        Waits as long as a request's default timeout: the daemon looks each run up in the
-        DHT."""
-        with self._lock:
-            reply = self._call(wire.PeersRequest(), wire.PeersReply, timeout=DEFAULT_TIMEOUT)
-        return {"contacts": reply.contacts, "runs": reply.runs}
-
     def close(self) -> None:
-        self._conn.close()
+        super().close()
         for buf in [self._mmap, *(b for *_, b in self._shared),
                     *(d.buf for d in self._device_shared)]:
             if buf is not None:
@@ -375,17 +347,5 @@ class Client:
         finally:
             os.close(fd)
         return buf
-
-    def _hello(self, timeout: float) -> wire.HelloReply:
-        return self._conn.hello(timeout)
-
-    def _call(self, req: wire.Message, reply: type[R], timeout: float,
-              fd: int | None = None) -> R:
-        """One request; its reply decoded by field name."""
-        return decode_reply(req.OP, self._request(req, timeout=timeout, fd=fd), reply)
-
-    def _request(self, req: wire.Message, timeout: float,
-                 fd: int | None = None) -> dict[str, Any]:
-        return self._conn.request(req, timeout, fd)
 
 __all__ = ["AGGREGATIONS", "Client", "InvalidRequest", "RoundInfo"]

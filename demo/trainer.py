@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bench.swarm.workload's preset")
     p.add_argument("--steps", type=int, default=600, help="local steps of each trainer")
     p.add_argument("--batch", type=int, default=16, help="windows of the model's context")
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--average-every", type=int, default=4, help="local steps between rounds")
     p.add_argument("--eval-every", type=int, default=20,

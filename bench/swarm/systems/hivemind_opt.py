@@ -15,16 +15,21 @@ Knobs (spec.knobs overrides each):
   uses as `average_every` (default 5, moshpit.Optimizer's default): one rule for every system
   but DDP, which communicates every step by construction. So every peer communicates after
   about τ local steps.
-- `matchmaking_time` = 15 s, `averaging_timeout` = 60 s, `average_state_every` = 1,
-  `delay_state_averaging` = True, no compression, no offloading: hivemind.Optimizer's
-  constructor defaults (15 s is also its guide's value for training over the internet).
+- `matchmaking_time` = 3 s and `averaging_timeout` = 10 s, as hivemind's guide advises for a
+  run this size: its Optimizer docstring says "matchmaking_time=15.0, # 3-5s for small local
+  runs, 10-15s for training over the internet or with many peers", and its quickstart passes
+  `matchmaking_time=3.0, averaging_timeout=10.0`.
+- `averager_opts={"target_group_size": hosts}`, as its ALBERT example passes averager_opts with
+  a target group size: without one, a leader forms its group only when its declared
+  expiration runs out, so every round would take the whole matchmaking time even with every
+  peer there.
+- `average_state_every` = 1, `delay_state_averaging` = True, no compression, no offloading:
+  hivemind.Optimizer's constructor defaults.
 
-What these defaults mean here (hivemind 1.1.12's own behaviour, not the loop's): the Optimizer
-hands its averagers min_matchmaking_time = matchmaking_time and no target group size, so a
-round waits about 15 s to gather its group; and its TrainingStateAverager runs the averaging
-round and the local optimizer steps on one single-thread executor, so with
-delay_optimizer_step=False (its default without offload_optimizer) opt.step() waits while a
-round runs. At τ = 5 an epoch is a few seconds of compute, far shorter than a round; hivemind's
+What these settings mean here (hivemind 1.1.12's own behaviour, not the loop's): its
+TrainingStateAverager runs the averaging round and the local optimizer steps on one
+single-thread executor, so with delay_optimizer_step=False (its default without
+offload_optimizer) opt.step() waits while a round runs. At τ = 5 an epoch is a few seconds of compute, far shorter than a round; hivemind's
 docs recommend "very large batch sizes to reduce the % of time spent on communication".
 - The DHT listens on tcp/port_base at this host's IP. Host 0 writes its visible multiaddrs
   to shared_dir/hivemind-dht-0.json; every other host bootstraps from the hosts' files it finds
@@ -136,8 +141,9 @@ def run(spec: WorkerSpec, events: Events) -> None:
         params=param_groups(trainer.model, hyper),
         optimizer=lambda groups: adamw(groups, hyper),
         use_local_updates=local,
-        matchmaking_time=float(spec.knob("matchmaking_time", 15.0)),
-        averaging_timeout=float(spec.knob("averaging_timeout", 60.0)),
+        matchmaking_time=float(spec.knob("matchmaking_time", 3.0)),
+        averaging_timeout=float(spec.knob("averaging_timeout", 10.0)),
+        averager_opts={"target_group_size": int(spec.knob("target_group_size", spec.hosts))},
         verbose=True)
     trainer.optimizer = opt  # zero_grad through hivemind's optimizer
     if spec.rejoin:
