@@ -5,7 +5,7 @@ written. Needs root (network namespaces, tc, nftables, cgroups) and, for the hiv
 
     python -m bench.swarm                        # lan, wan, churn; all systems
     python -m bench.swarm --scenario wan --systems moshpit,ddp --budget 60
-    python -m bench.swarm --smoke                # 4 hosts, tiny model, ~25 s per system
+    python -m bench.swarm --smoke                # 4 hosts, tiny model, ~12 s per system
     python -m bench.swarm --scenario multi --budget 120   # 2 trainers per host: moshpit-local
                                                           # against moshpit-each
 """
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"default: {', '.join(DEFAULT_SCENARIOS)}; --smoke: lan)")
     p.add_argument("--hosts", type=int, help="hosts (default: the scenario's, 4)")
     p.add_argument("--budget", type=float, help="seconds of training per system (default: "
-                   "the scenario's; --smoke: 25)")
+                   "the scenario's; --smoke: 12)")
     p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: "
                    f"{', '.join(SINGLE_TRAINER_SYSTEMS)}; --smoke: {', '.join(SMOKE_SYSTEMS)}; "
                    "a scenario with several trainers per host runs only "
@@ -194,7 +194,7 @@ def load_records(out: Path, scenarios: list[Scenario], plan: dict[str, list[str]
 
 def config_for(scenario: Scenario, args: argparse.Namespace, out: Path) -> RunConfig:
     hosts = args.hosts or (4 if args.smoke else scenario.hosts)
-    budget = args.budget or (25.0 if args.smoke else scenario.budget_s)
+    budget = args.budget or (12.0 if args.smoke else scenario.budget_s)
     cores = args.cores or (os.cpu_count() or 1) / hosts
     snapshot = args.snapshot_every or max(5.0, budget / 15)
     return RunConfig(

@@ -1,7 +1,7 @@
 """The results benchmark end to end, small: `python -m bench.swarm --smoke` runs one system
 of each kind (DDP, Moshpit SGD, hivemind in both modes; the DiLoCo rows have their worker test,
 test_swarm_diloco_worker.py) on 4 emulated hosts (network namespaces, CPU cgroups)
-with the tiny model for ~20 s each, then evaluates the snapshots and writes the table and plot.
+with the tiny model for 12 s each, then evaluates the snapshots and writes the table and plot.
 
 Asserts what a broken benchmark would not produce: at least one completed sync per system, a
 finite validation loss below the untrained model's, moshpit's hosts ending on the same model,
