@@ -52,6 +52,10 @@ class Metrics:
         self.excluded_parts = Counter("moshpitd_excluded_parts", "Parts this peer reduced "
                                       "without a member's contribution, by fault", ["fault"],
                                       registry=r)
+        self.loop_lag = Histogram(
+            "moshpitd_event_loop_lag_seconds", "How late the event loop woke a 0.1 s timer: "
+            "time it was blocked (anything past 0.25 s is also logged as a warning)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
         self.dht_peers = Gauge("moshpitd_dht_peers", "Contacts in the DHT routing table",
                                registry=r)
         self.ipc_requests = Counter("moshpitd_ipc_requests", "IPC requests by operation and result",

@@ -148,6 +148,7 @@ class MoshpitNode:
             before = time.monotonic()
             await asyncio.sleep(LAG_TICK)
             lag = time.monotonic() - before - LAG_TICK
+            self.metrics.loop_lag.observe(max(lag, 0.0))
             if lag > LAG_WARN:
                 log.warning("event loop was blocked for %.3f s", lag)
 

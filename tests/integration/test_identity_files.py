@@ -39,6 +39,8 @@ def test_a_second_daemon_on_a_held_key_exits_and_the_first_goes_on(tmp_path: Pat
         assert not (tmp_path / "d1.sock").exists()
         assert first.alive()
         assert metric(first.info["metrics"], "moshpitd_dht_own_id_elsewhere_total") == 0
+        # the loop's lag is sampled all the time (one sample per 0.1 s tick)
+        assert metric(first.info["metrics"], "moshpitd_event_loop_lag_seconds_count") >= 1
     finally:
         first.stop()
 
