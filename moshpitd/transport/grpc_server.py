@@ -19,6 +19,17 @@ SERVICE = "moshpit.Averager"
 JOIN = f"/{SERVICE}/Join"
 DOWNLOAD_STATE = f"/{SERVICE}/DownloadState"
 DEFAULT_MAX_MESSAGE = 64 << 20
+# What the server may receive in one message: it is only ever sent a JoinRequest, a
+# StateRequest or a health check, each well under 2 KiB even sealed. gRPC refuses a longer
+# message from its length prefix, before buffering it, so a stranger cannot make the daemon
+# hold megabytes per stream (only the client side, which receives StateChunks, needs
+# max_message_bytes).
+MAX_REQUEST = 16 << 10
+# Concurrent streams one HTTP/2 connection may open (a peer needs a few per round), and RPCs
+# the server runs at once over all connections (joins are bounded again, per peer id, after
+# their signature is checked: matchmaking/admission.py).
+MAX_STREAMS_PER_CONNECTION = 64
+MAX_CONCURRENT_RPCS = 2048
 
 JoinHandler = Callable[[pb.JoinRequest, aio.ServicerContext], AsyncIterator[pb.JoinResponse]]
 StateHandler = Callable[[pb.StateRequest, aio.ServicerContext], AsyncIterator[pb.StateChunk]]
@@ -49,8 +60,11 @@ class AveragerServer:
         self.health = health.aio.HealthServicer()
 
     async def start(self, host: str, port: int) -> int:
-        options = [*channel_options(self.max_message), ("grpc.so_reuseport", 0)]
-        self.server = aio.server(options=options)
+        options = [*(o for o in channel_options(self.max_message)
+                     if o[0] != "grpc.max_receive_message_length"),
+                   ("grpc.max_receive_message_length", MAX_REQUEST), ("grpc.so_reuseport", 0),
+                   ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
+        self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         sec = self.security
         handlers = {
             "Join": grpc.unary_stream_rpc_method_handler(

@@ -1,0 +1,67 @@
+"""Strangers and members against real daemons on loopback: what a peer sends cannot make a
+daemon hold memory or CPU without bound, and honest peers still average exactly afterwards."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+import moshpit
+from moshpitd.launcher import LocalSwarm
+from tests.integration.helpers import assert_close_to_mean, run_parallel
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(2, workdir=tmp_path_factory.mktemp("hostile")) as s:
+        yield s
+
+
+def rss(swarm: LocalSwarm, i: int = 0) -> int:
+    with open(f"/proc/{swarm.daemons[i].proc.pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def honest_round(swarm: LocalSwarm, key: str) -> None:
+    inputs = [torch.randn(50_000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    clients = [moshpit.Client(s) for s in swarm.sockets]
+    try:
+        results = run_parallel([
+            lambda i=i: clients[i].average([inputs[i]], key=key, group_size=2, timeout=20)
+            for i in range(2)])
+        for r in results:
+            assert not isinstance(r, BaseException), r
+            assert_close_to_mean(r[0], inputs, [1.0, 1.0])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_large_messages_from_a_stranger_are_refused_before_they_are_held(
+        swarm: LocalSwarm) -> None:
+    """Once: 93 streams of 64 MiB grew a daemon to 6 GiB. A request is refused from its length
+    prefix now, so 24 streams of 8 MiB each add next to nothing."""
+    before = rss(swarm)
+    target = swarm.daemons[0].info["grpc"]
+    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30)]) as ch:
+        join = ch.unary_stream("/moshpit.Averager/Join", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+
+        def send(_: int) -> str:
+            try:
+                list(join(b"\x0a" * (8 << 20), timeout=20))
+                return "answered"
+            except grpc.RpcError as exc:
+                return exc.code().name
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(send, range(24)))
+    assert set(codes) == {"RESOURCE_EXHAUSTED"}, codes
+    assert swarm.daemons[0].alive()
+    assert rss(swarm) - before < 48 << 20, (before >> 20, rss(swarm) >> 20)
+    honest_round(swarm, "after-large")
