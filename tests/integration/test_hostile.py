@@ -3,10 +3,8 @@ daemon hold memory or CPU without bound, and honest peers still average exactly 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
