@@ -290,16 +290,9 @@ class MoshpitNode:
         if mm is None:
             yield not_looking(request.group_key)
             return
-        why = self.joins.admit(request.peer_id)
-        if why is not None:
-            yield pb.JoinResponse(code=pb.GROUP_FULL, message=why)
-            return
         # over TLS, a join must be signed for the certificate its caller presented
         binding = (tls_binding_of(context.auth_context()) if self.config.tls is not None
                    else b"")
-        try:
-            async for response in mm.handle_join(request, binding):
-                yield response
-        finally:
-            self.joins.release(request.peer_id)
+        async for response in mm.handle_join(request, binding, self.joins):
+            yield response
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.hooks import NO_HOOKS, Hooks
+from moshpitd.matchmaking.admission import JoinAdmission
 from moshpitd.matchmaking.declaration import Candidate
 from moshpitd.matchmaking.request import MatchRequest, Self
 from moshpitd.matchmaking.vetting import DeclarationBook, entry_fault, weights_fault
@@ -108,13 +109,34 @@ class GroupLeader:
         self.followers.clear()
 
     # --- leading: the server side of Join ---------------------------------------------------
-    async def handle_join(self, request: pb.JoinRequest, tls_binding: bytes = b""
+    async def handle_join(self, request: pb.JoinRequest, tls_binding: bytes = b"",
+                          admission: JoinAdmission | None = None
                           ) -> AsyncIterator[pb.JoinResponse]:
-        """`tls_binding`: the digest of the TLS certificate the caller presented, if any."""
+        """`tls_binding`: the digest of the TLS certificate the caller presented, if any.
+        `admission`: the daemon's bound on held joins, taken once the join proved its peer
+        id, so a join claiming someone else's id holds none of that peer's share."""
         reject = self._check_join(request)
         if reject is None:  # once (its nonce is kept), and before the DHT read it saves
             reject = self._check_identity(request, tls_binding)
-        if reject is None and self.book is not None:
+        if reject is not None:
+            yield reject
+            return
+        slot = (admission.admit(request.peer_id, self.req.attempt_seconds)
+                if admission is not None else None)
+        if isinstance(slot, str):
+            yield pb.JoinResponse(code=pb.GROUP_FULL, message=slot)
+            return
+        try:
+            async for response in self._take_join(request):
+                yield response
+        finally:
+            if admission is not None and slot is not None:
+                admission.release(slot)
+
+    async def _take_join(self, request: pb.JoinRequest) -> AsyncIterator[pb.JoinResponse]:
+        """A proven join: checked against its declaration, then held until the group forms."""
+        reject = None
+        if self.book is not None:
             why = await self.book.vouched(
                 lambda get: entry_fault(_member(request), get(request.peer_id),
                                         self.req.schema_hash))

@@ -34,7 +34,7 @@ from moshpitd.matchmaking.errors import (
     NoPartners,
     SchemaMismatch,
 )
-from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, not_looking
+from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, JoinAdmission, not_looking
 from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.matchmaking.vetting import DeclarationBook, entries_fault, shape_fault
@@ -117,10 +117,10 @@ class Matchmaker:
         """When the latest follower joined us (the runner learns arrival spread from it)."""
         return self.leading.last_join
 
-    def handle_join(self, request: pb.JoinRequest, tls_binding: bytes = b""
-                    ) -> AsyncIterator[pb.JoinResponse]:
+    def handle_join(self, request: pb.JoinRequest, tls_binding: bytes = b"",
+                    admission: JoinAdmission | None = None) -> AsyncIterator[pb.JoinResponse]:
         """The server side of Join, routed here by key."""
-        return self.leading.handle_join(request, tls_binding)
+        return self.leading.handle_join(request, tls_binding, admission)
 
     @property
     def declaration(self) -> Declaration:

@@ -11,6 +11,7 @@ import pytest
 
 from moshpitd.allreduce.group import Group
 from moshpitd.identity import PeerKey
+from moshpitd.matchmaking.admission import JoinAdmission
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader
 from moshpitd.matchmaking.request import MatchRequest, Self
@@ -130,5 +131,25 @@ def test_a_join_must_prove_its_peer_id() -> None:
         side.followers.clear()  # it left; the same signed request again is a replay
         replayed = await anext(side.handle_join(genuine))
         assert replayed.code == pb.UNAUTHENTICATED and "replay" in replayed.message
+
+    asyncio.run(scenario())
+
+
+def test_a_join_takes_a_slot_only_once_it_proved_its_peer_id() -> None:
+    """Joins claiming a victim's id, signed by another key, hold none of the victim's share:
+    the victim's own join still gets in."""
+    async def scenario() -> None:
+        side = leader([])
+        side.open()
+        joins = JoinAdmission(total=4, per_peer=1)
+        for _ in range(8):
+            forged = await anext(side.handle_join(join(1, signer=PEERS[2]), b"", joins))
+            assert forged.code == pb.UNAUTHENTICATED
+        assert joins.held == 0 and not joins.refused
+        call = side.handle_join(join(1), b"", joins)
+        await accepted(call)
+        assert joins.held == 1
+        await call.aclose()  # the follower hangs up: its slot is freed
+        assert joins.held == 0
 
     asyncio.run(scenario())

@@ -12,7 +12,7 @@ import pytest
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.dht.network import SubRecord
 from moshpitd.faults import TAMPERINGS, tampered
-from moshpitd.matchmaking.admission import JoinAdmission
+from moshpitd.matchmaking.admission import SLOT_MARGIN, JoinAdmission
 from moshpitd.matchmaking.declaration import Declaration
 from moshpitd.matchmaking.request import MatchRequest
 from moshpitd.matchmaking.vetting import (
@@ -123,17 +123,40 @@ def test_the_book_keeps_withdrawn_declarations_and_reads_again_when_a_check_fail
 
 
 def test_join_admission_bounds_per_peer_and_in_total() -> None:
-    joins = JoinAdmission(total=3, per_peer=2)
+    now = [0.0]
+    joins = JoinAdmission(total=3, per_peer=2, clock=lambda: now[0])
     a, b, c = b"a" * 20, b"b" * 20, b"c" * 20
-    assert joins.admit(a) is None and joins.admit(a) is None
-    why = joins.admit(a)
-    assert why is not None and "join_max_per_peer" in why
-    assert joins.admit(b) is None
-    why = joins.admit(c)
-    assert why is not None and "join_max_in_flight" in why
-    joins.release(a)
-    assert joins.admit(c) is None and joins.held == 3
+    first, second = joins.admit(a, 10.0), joins.admit(a, 10.0)
+    assert isinstance(first, int) and isinstance(second, int)
+    why = joins.admit(a, 10.0)
+    assert isinstance(why, str) and "join_max_per_peer" in why
+    assert isinstance(joins.admit(b, 10.0), int)
+    why = joins.admit(c, 10.0)
+    assert isinstance(why, str) and "join_max_in_flight" in why
+    joins.release(first)
+    joins.release(first)  # twice: the second does nothing
+    assert isinstance(joins.admit(c, 10.0), int) and joins.held == 3
     assert dict(joins.refused) == {"per_peer": 1, "in_flight": 1}
+
+
+def test_join_slots_are_freed_at_their_deadline_whatever_the_call_does() -> None:
+    """A caller that stops reading (an HTTP/2 window of 0) stalls its handler's write; its
+    slot is free anyway once the leader's attempt and the margin are over."""
+    now = [0.0]
+    joins = JoinAdmission(total=2, per_peer=2, clock=lambda: now[0])
+    stuck = [joins.admit(b"x" * 20, 4.0) for _ in range(2)]
+    assert all(isinstance(s, int) for s in stuck)
+    assert isinstance(joins.admit(b"y" * 20, 4.0), str)
+    now[0] = 4.0 + SLOT_MARGIN - 0.01
+    assert isinstance(joins.admit(b"y" * 20, 4.0), str)
+    now[0] = 4.0 + SLOT_MARGIN
+    assert joins.held == 0 and joins.expired == 2
+    late = joins.admit(b"y" * 20, 4.0)
+    assert isinstance(late, int)
+    for slot in stuck:  # the stalled handlers finally return: nothing of others' is freed
+        assert isinstance(slot, int)
+        joins.release(slot)
+    assert joins.held == 1
 
 
 def test_the_book_looks_in_the_local_replica_before_the_network() -> None:
