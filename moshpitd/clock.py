@@ -121,10 +121,11 @@ class AttemptClock:
         """How long a follower waits for a leader's first answer to Join."""
         return max(min(ANSWER_WAIT, self.deadline - now), MIN_ANSWER_WAIT)
 
-    def group_info_wait(self, leader_deadline: float, now: float) -> float:
-        """How long an accepted follower waits for its leader's GroupInfo."""
-        patience = max(self.deadline, leader_deadline) + GROUP_INFO_PATIENCE - now
-        return max(patience, MIN_GROUP_INFO_WAIT)
+    def group_info_wait(self, now: float) -> float:
+        """How long an accepted follower waits for its leader's GroupInfo: on its own clock.
+        An honest leader assembles before the earliest deadline of its members (ours
+        included), so nothing it declares can make us wait past our own attempt."""
+        return max(self.deadline + GROUP_INFO_PATIENCE - now, MIN_GROUP_INFO_WAIT)
 
 
 def stream_wait(attempt_max: float) -> float:

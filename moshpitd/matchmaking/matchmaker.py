@@ -359,15 +359,15 @@ class Matchmaker:
                   pb.JoinCode.Name(first.code), first.message)
         if first.code == pb.ACCEPTED:
             self.leading.follow(leader)
-            # A leader that never assembles (say, caught in a cycle of inconsistent views) must
-            # not hold us past its own deadline.
-            wait = self._clock.group_info_wait(leader.deadline, time.monotonic())
+            # A leader that accepts and never assembles (a cycle of inconsistent views, or one
+            # that means to stall us) holds us to our own deadline at most, and never again.
             try:
-                async with asyncio.timeout(wait):
+                async with asyncio.timeout(self._clock.group_info_wait(time.monotonic())):
                     resp = await call.read()
             except TimeoutError:
-                log.debug("%s: leader %s did not assemble in time", self.me.peer_id.hex()[:6],
-                          leader.peer_id.hex()[:6])
+                log.info("%s: leader %s accepted us and did not assemble in time; not asking "
+                         "it again", self.req.key, leader.peer_id.hex()[:8])
+                self._dead.add(leader.peer_id)
                 return None
             if resp is aio.EOF:
                 return None
