@@ -32,6 +32,7 @@ from moshpitd.metrics import Metrics
 from moshpitd.node_config import NodeConfig, ShuttingDown
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog, RoundRecord
 from moshpitd.transport.grpc_server import ChannelPool
+from moshpitd.transport.handshake import ENCRYPTED
 
 log = logging.getLogger("moshpitd.node")
 
@@ -196,7 +197,8 @@ class RoundRunner:
         attempt = clock.attempt()
         match = MatchRequest(
             key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation,
-                                               self.config.part_size),
+                                               self.config.part_size,
+                                               self.registry.handshake.mode == ENCRYPTED),
             weight=weight, target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, expected=expected, codec=request.codec,
             client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,

@@ -119,10 +119,13 @@ def schema_of(specs: Sequence[TensorSpec]) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def schema_hash(specs: Sequence[TensorSpec], codec: str = "none",
-                aggregation: str = "mean", part_bytes: int = DEFAULT_PART_BYTES) -> bytes:
+                aggregation: str = "mean", part_bytes: int = DEFAULT_PART_BYTES,
+                encrypted: bool = False) -> bytes:
     """Peers may only average tensors of identical dtypes and shapes, in the same order, sent
     with the same wire codec, aggregated the same way and cut into the same parts (every
-    member plans the parts itself). Defaults hash as they always did."""
+    member plans the parts itself), over streams encrypted alike (a stream between an
+    encrypting peer and one that does not is refused, so a mixed group would stall to its
+    deadline). Defaults hash as they always did."""
     fields: list[object] = [[[d, list(shape)] for d, shape in schema_of(specs)], codec]
     if aggregation != "mean":
         fields.append(aggregation)
@@ -132,6 +135,8 @@ def schema_hash(specs: Sequence[TensorSpec], codec: str = "none",
         fields.append(["wire_sized", 1])
     if codec == "int8":  # parts start on block boundaries (they used not to)
         fields.append(["block_aligned", 1])
+    if encrypted:
+        fields.append(["encrypted", 1])
     packed = msgpack.packb(fields)
     return hashlib.sha256(packed).digest()[:16]
 

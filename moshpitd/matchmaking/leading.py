@@ -180,8 +180,8 @@ class GroupLeader:
                 return resp
             return no(pb.NOT_LOOKING, "not accepting followers now")
         if request.schema_hash != self.req.schema_hash or request.codec != self.req.codec:
-            return no(pb.BAD_SCHEMA, "tensor dtypes/shapes, codec or aggregation differ from "
-                      "this group's")
+            return no(pb.BAD_SCHEMA, "tensor dtypes/shapes, codec, aggregation or data "
+                      "encryption differ from this group's")
         if self.asking == request.peer_id and request.peer_id < self.me.peer_id:
             # Both of us asked the other at once: the lower peer id leads, on both sides.
             return no(pb.NOT_LOOKING, "we are asking you to lead; the lower peer id leads")

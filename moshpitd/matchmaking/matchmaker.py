@@ -158,9 +158,9 @@ class Matchmaker:
                 raise SchemaMismatch(
                     f"{len(self._seen_mismatch)} peer(s) under key {self.req.key!r} declared "
                     "tensors with other dtypes or shapes (or another order, wire codec, "
-                    "aggregation or daemon part_size), and none matched ours; every peer of a "
-                    "group must submit the same list of shapes and dtypes with the same codec "
-                    "and aggregation, and every daemon use the same part_size",
+                    "aggregation, daemon part_size or data_encryption), and none matched ours; "
+                    "peers of a group submit the same shapes and dtypes with the same codec and "
+                    "aggregation, on daemons with the same part_size and data_encryption",
                     self.req.rank_digests, self._mismatch_ranks)
         raise GroupNotFound(
             f"no group of at least {self.req.min_size} peers under key {self.req.key!r} within "

@@ -48,7 +48,7 @@ def entry_fault(member: GroupMember, declared: Declaration | None,
     if declared is None:
         return f"{who} has no signed declaration under the key"
     if declared.schema_hash != schema_hash:
-        return f"{who} declared other tensors, codec or aggregation"
+        return f"{who} declared other tensors, codec, aggregation or data encryption"
     differ = [name for name, theirs, ours in (
         ("endpoint", member.endpoint, declared.endpoint),
         ("data endpoint", member.data_endpoint, declared.data_endpoint),
@@ -66,7 +66,7 @@ def shape_fault(group: Group, req: MatchRequest, me: bytes) -> str | None:
     if group.key != req.key:
         return f"it is for key {group.key[:64]!r}"
     if group.schema_hash != req.schema_hash:
-        return "its tensors, codec or aggregation differ from ours"
+        return "its tensors, codec, aggregation or data encryption differ from ours"
     if group.codec != req.codec:
         return f"its codec is {group.codec[:16]!r}, we asked for {req.codec!r}"
     if len(group.group_id) != 16:

@@ -3,8 +3,11 @@ daemon hold memory or CPU without bound, and honest peers still average exactly 
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -63,3 +66,35 @@ def test_large_messages_from_a_stranger_are_refused_before_they_are_held(
     assert swarm.daemons[0].alive()
     assert rss(swarm) - before < 48 << 20, (before >> 20, rss(swarm) >> 20)
     honest_round(swarm, "after-large")
+
+
+def test_a_daemon_that_does_not_encrypt_is_told_at_once_and_stalls_nobody(
+        tmp_path: Path) -> None:
+    """Encryption is part of what peers match on: a daemon with data_encryption = off among
+    encrypting ones gets SchemaMismatch within its matchmaking, and the others still form
+    their group (before, it joined them and every round stalled to its deadline)."""
+    secret = tmp_path / "swarm.key"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    off = {"MOSHPITD_DATA_ENCRYPTION": "off"}
+    with LocalSwarm(3, workdir=tmp_path / "swarm", extra_args=["--swarm-key-file", str(secret)],
+                    env_by_index={2: off}) as swarm:
+        inputs = [torch.full((10_000,), float(i)) for i in range(3)]
+        clients = [moshpit.Client(s) for s in swarm.sockets]
+
+        def call(i: int) -> object:
+            began = time.monotonic()
+            try:
+                out: object = clients[i].average([inputs[i]], key="enc", group_size=3,
+                                                 min_group_size=2, timeout=8)
+            except moshpit.MoshpitError as exc:
+                out = exc
+            return out, time.monotonic() - began
+        results = run_parallel([lambda i=i: call(i) for i in range(3)])
+        for c in clients:
+            c.close()
+    (a, _), (b, _), (odd, _) = results
+    assert isinstance(odd, moshpit.SchemaMismatch), odd
+    for r in (a, b):
+        assert isinstance(r, list), r
+        assert torch.allclose(r[0], torch.full((10_000,), 0.5))
