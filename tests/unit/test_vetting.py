@@ -63,7 +63,8 @@ def test_every_tampering_is_caught(how: str, why: str) -> None:
 
 @pytest.mark.parametrize("change, why", [
     (lambda g: replace(g, key="other"), "it is for key 'other'"),
-    (lambda g: replace(g, schema_hash=b"\x02" * 16), "tensors, codec, aggregation or data encryption differ"),
+    (lambda g: replace(g, schema_hash=b"\x02" * 16),
+     "tensors, codec, aggregation or data encryption differ"),
     (lambda g: replace(g, group_id=b"short"), "group id is malformed"),
     (lambda g: replace(g, members=g.members * 2), "members, we asked for at most 4"),
     (lambda g: replace(g, members=g.members[:1] * 2), "listed twice"),
