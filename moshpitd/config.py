@@ -201,7 +201,8 @@ class Settings:
         Int(2, 1024), 256, LIMITS, "largest group a request may ask for or this daemon will lead")
     dht_max_records_per_key: int = option(
         Int(1, 1 << 16), 256, LIMITS,
-        "records (one per peer) this daemon stores under one DHT key")
+        "records (one per peer) this daemon stores under one DHT key; when full, a new "
+        "writer's record takes the place of the one stored longest ago")
     dht_max_value_bytes: int = option(
         Int(64, 4096, unit="bytes"), 1024, LIMITS,
         "bytes of one DHT record's value (a record travels in one datagram)")

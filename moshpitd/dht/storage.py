@@ -13,7 +13,12 @@ Bounds that hold against many writers, since peer keys cost nothing to make:
 - per writer: one peer id may hold at most `max_per_writer` records here;
 - when full, keys whose records all expired go first, then the key least recently written or
   read: a flood of new keys displaces the flood's own oldest keys, not the keys that live
-  rounds poll, and no stranger can hold a slot against newer keys for a record's whole TTL.
+  rounds poll, and no stranger can hold a slot against newer keys for a record's whole TTL;
+- within a key that holds `max_subkeys` records, a new writer's record displaces the record
+  stored here longest ago. Throw-away identities that fill a key thus hold it only while they
+  keep writing, not for their records' whole TTL, and honest peers, which write again every
+  round, get back in at once. (Not the lowest version: writers date their own versions, up to
+  the clock skew ahead.)
 """
 
 from __future__ import annotations
@@ -102,14 +107,15 @@ class SubkeyStorage(IStorage):
         bucket = self._subs.get(key)
         old = bucket.get(subkey) if bucket is not None else None
         if old is None:
-            if bucket is not None and len(bucket) >= self.max_subkeys:
-                self.refused_full += 1
-                return False
             if self._per_writer.get(subkey, 0) >= self.max_per_writer:
                 self._sweep(now)
                 if self._per_writer.get(subkey, 0) >= self.max_per_writer:
                     self.refused_full += 1
                     return False
+        if old is None and bucket is not None and len(bucket) >= self.max_subkeys:
+            self.evicted += 1
+            self._drop(key, [next(iter(bucket))])  # stored here longest ago
+            bucket = self._subs.get(key)
         grow = record_cost(subkey, value) - (record_cost(subkey, old.value) if old else 0)
         grow += KEY_COST if bucket is None else 0
         if not self._make_room(key, grow, bucket is None, now):
@@ -122,6 +128,8 @@ class SubkeyStorage(IStorage):
         if old is None:
             self._per_writer[subkey] = self._per_writer.get(subkey, 0) + 1
             self.records += 1
+        else:
+            del bucket[subkey]  # stored again: now the most recent (the eviction order)
         bucket[subkey] = StoredSub(value, version, deadline, proof)
         self.bytes_used += grow
         return True

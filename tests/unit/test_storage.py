@@ -161,25 +161,31 @@ def test_long_subkey_refused(store: SubkeyStorage) -> None:
     assert set(store.get_subs(KEY)) == {b"s" * 64}
 
 
-def test_too_many_subkeys_refused_but_updates_allowed(clock: FakeClock) -> None:
+def test_a_full_key_takes_a_new_writer_in_place_of_the_longest_stored(
+        clock: FakeClock) -> None:
+    """Throw-away identities that fill a key hold it only while they keep writing: an honest
+    writer (who writes every round) gets in at once, in place of the record stored longest
+    ago; the cap holds."""
     s = SubkeyStorage(max_subkeys=3, clock=clock)
     for i in range(3):
         assert s.store_sub(KEY, bytes([i]), b"v", 1, 10.0 + i)
-    assert not s.store_sub(KEY, b"\x09", b"v", 1, 100.0)
-    assert len(s.get_subs(KEY)) == 3
-    assert s.store_sub(KEY, b"\x00", b"v2", 2, 10.0)  # existing subkey may still be updated
+    assert s.store_sub(KEY, b"\x00", b"v2", 2, 10.0)  # an update: now the most recent
     assert s.get_subs(KEY)[b"\x00"][:2] == (b"v2", 2)
-    # once one expires there is room again
-    clock.advance(10.5)
     assert s.store_sub(KEY, b"\x09", b"v", 1, 100.0)
-    assert set(s.get_subs(KEY)) == {b"\x01", b"\x02", b"\x09"}
+    assert set(s.get_subs(KEY)) == {b"\x00", b"\x02", b"\x09"} and s.evicted == 1
+    for i in range(20, 26):  # a flood of new writers: the key never holds more than 3
+        assert s.store_sub(KEY, bytes([i]), b"v", 1, 600.0)
+    assert len(s.get_subs(KEY)) == 3 and s.records == 3
+    assert s.store_sub(KEY, b"\x42", b"honest", 5, 10.0)  # and the next honest write is in
+    assert b"\x42" in s.get_subs(KEY)
 
 
 def test_subkey_cap_is_per_key(clock: FakeClock) -> None:
     s = SubkeyStorage(max_subkeys=1, clock=clock)
     assert s.store_sub(b"a" * 20, b"p", b"v", 1, 10.0)
     assert s.store_sub(b"b" * 20, b"p", b"v", 1, 10.0)
-    assert not s.store_sub(b"a" * 20, b"q", b"v", 1, 10.0)
+    assert s.store_sub(b"a" * 20, b"q", b"v", 1, 10.0)
+    assert set(s.get_subs(b"a" * 20)) == {b"q"} and set(s.get_subs(b"b" * 20)) == {b"p"}
 
 
 def test_when_full_expired_keys_go_first_then_the_least_recently_used(clock: FakeClock) -> None:
