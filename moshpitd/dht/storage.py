@@ -106,12 +106,11 @@ class SubkeyStorage(IStorage):
         deadline = now + min(float(ttl), MAX_TTL)
         bucket = self._subs.get(key)
         old = bucket.get(subkey) if bucket is not None else None
-        if old is None:
+        if old is None and self._per_writer.get(subkey, 0) >= self.max_per_writer:
+            self._sweep(now)
             if self._per_writer.get(subkey, 0) >= self.max_per_writer:
-                self._sweep(now)
-                if self._per_writer.get(subkey, 0) >= self.max_per_writer:
-                    self.refused_full += 1
-                    return False
+                self.refused_full += 1
+                return False
         if old is None and bucket is not None and len(bucket) >= self.max_subkeys:
             self.evicted += 1
             self._drop(key, [next(iter(bucket))])  # stored here longest ago

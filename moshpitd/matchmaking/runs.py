@@ -208,6 +208,8 @@ class RunDirectory:
                     if not ok:
                         self._dead[pid] = now + DEAD_FOR
             dead = {p for p, until in self._dead.items() if until > now}
+            if self.probe is not None:  # an entry that names no daemon cannot prove it lives
+                dead |= {p for p in status.expected if not peers[p].endpoint}
             settled = now - self._changed_at >= SETTLE_SECONDS
             grace = FIRST_GRACE if self.rounds_done == 0 else LONELY_GRACE
             return LineStatus(status.expected - dead, status.moved_on, settled, grace)
