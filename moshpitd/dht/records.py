@@ -8,10 +8,9 @@ A record carries that 32-byte public key and an Ed25519 signature over
 where `ttl` is the lifetime the writer gave it and `version` its own wall clock in ns when it
 wrote it. Replicas hand a record on as it is, with its original version, ttl and signature, so
 nobody else can write, renew or withdraw a peer's records. Versions are checked against the
-receiver's clock: one more than CLOCK_SKEW ahead, or one whose signed lifetime has ended by the
-receiver's clock, is refused, so a record can neither outrank its writer's later ones by a
-far-future version nor be replayed once it has expired. (An honest writer whose clock is
-behind ours only sees its records expire here a little early; it refreshes them anyway.)
+receiver's clock: one more than CLOCK_SKEW ahead, or one whose signed lifetime ended more than
+CLOCK_SKEW ago, is refused, so a record can neither outrank its writer's later ones by a
+far-future version nor be replayed once it has expired.
 
 An Ed25519 verification costs about 0.1 ms, and every lookup brings the same records back
 from up to k replicas: verified records are remembered (by a digest of all they carry).
@@ -121,7 +120,7 @@ class RecordVerifier:
         now = time.time() if now is None else now
         if not (0 <= version <= MAX_VERSION and 0.0 <= proof.ttl <= MAX_TTL
                 and math.isfinite(ttl) and version / 1e9 <= now + CLOCK_SKEW
-                and version / 1e9 + proof.ttl >= now):
+                and version / 1e9 + proof.ttl >= now - CLOCK_SKEW):
             return VERSION
         message = signed_bytes(key, subkey, value, version, proof.ttl)
         digest = hashlib.blake2b(message + proof.public + proof.signature,
