@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-import grpc
 from grpc import aio
 
 from moshpitd.allreduce.layout import FlatView
@@ -28,7 +27,13 @@ from moshpitd.matchmaking.matchmaker import (
     wait_background,
 )
 from moshpitd.matchmaking.runs import RunDirectory
-from moshpitd.matchmaking.signing import PeerAuth, tls_binding_of
+from moshpitd.matchmaking.signing import (
+    PeerAuth,
+    is_probe,
+    probe_request,
+    proves_peer,
+    tls_binding_of,
+)
 from moshpitd.metrics import Metrics
 from moshpitd.node_config import NodeConfig, ShuttingDown, format_hostport
 from moshpitd.proto import moshpit_pb2 as pb
@@ -264,15 +269,17 @@ class MoshpitNode:
         finally:
             del self._active[request.key]
 
-    async def _probe(self, endpoint: str) -> bool:
-        """Is a peer's daemon alive? Any answer to Join counts; a refused connection does not."""
-        call = self.pool.join(endpoint, pb.JoinRequest(), timeout=PROBE_TIMEOUT)
+    async def _probe(self, endpoint: str, peer_id: bytes) -> bool:
+        """Is the peer declared at `endpoint` alive? Only its signature over our nonce says so:
+        an address that answers (say, another live daemon's, named in a made-up declaration)
+        proves nothing."""
+        request = probe_request()
+        call = self.pool.join(endpoint, request, timeout=PROBE_TIMEOUT)
         try:
-            await call.read()
-            return True
-        except aio.AioRpcError as exc:
-            return exc.code() not in (grpc.StatusCode.UNAVAILABLE,
-                                      grpc.StatusCode.DEADLINE_EXCEEDED)
+            answer = await call.read()
+            return answer is not aio.EOF and proves_peer(answer, request.nonce, peer_id)
+        except aio.AioRpcError:
+            return False
         finally:
             call.cancel()
 
@@ -286,6 +293,9 @@ class MoshpitNode:
 
     async def _handle_join(self, request: pb.JoinRequest,
                            context: aio.ServicerContext) -> AsyncIterator[pb.JoinResponse]:
+        if is_probe(request):
+            yield self.auth.answer_probe(request)
+            return
         mm = self.matchmakers.get(request.group_key)
         if mm is None:
             yield not_looking(request.group_key)

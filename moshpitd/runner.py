@@ -36,7 +36,7 @@ from moshpitd.transport.handshake import ENCRYPTED
 
 log = logging.getLogger("moshpitd.node")
 
-Probe = Callable[[str], Awaitable[bool]]
+Probe = Callable[[str, bytes], Awaitable[bool]]  # (endpoint, peer id): did that peer answer
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from moshpitd.matchmaking.vetting import DeclarationBook, entries_fault, shape_f
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 
-Probe = Callable[[str], Awaitable[bool]]
+Probe = Callable[[str, bytes], Awaitable[bool]]
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ POLL_BACKOFF = 1.5
 # A declared peer this long outside our group gets asked whether it lives: a live one has
 # joined someone within a few polls of declaring; a killed one's declaration outlives it.
 STRAGGLER_PROBE = 0.3  # s
-# How soon to ask again a leader that turned us away: a refusal may be momentary (it was
-# between attempts, or following someone who then let it go).
+# How soon to ask again a leader that turned us away: a refusal may be momentary.
 RETRY_ASK = 0.25  # s
 # No new attempt with less than this left: declaring alone takes longer.
 MIN_ATTEMPT = 0.01  # s
@@ -304,7 +303,8 @@ class Matchmaker:
                 self._outside_since[c.peer_id] = math.inf  # once per request
                 ask.append(c)
         if ask:
-            alive = await asyncio.gather(*(self.probe(c.declaration.endpoint) for c in ask))
+            probes = (self.probe(c.declaration.endpoint, c.peer_id) for c in ask)
+            alive = await asyncio.gather(*probes)
             for c, ok in zip(ask, alive, strict=True):
                 if not ok:
                     log.info("%s: declared peer %s does not answer: not waiting for it",

@@ -57,7 +57,7 @@ MAX_ROUND_LEAD = 64
 # Our own entry, unchanged, is not stored again before this: a round's end already stored the
 # round the next plan declares, and the entry lives ENTRY_TTL.
 REFRESH_AFTER = ENTRY_TTL / 3
-Probe = Callable[[str], Awaitable[bool]]
+Probe = Callable[[str, bytes], Awaitable[bool]]
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class RunDirectory:
             fresh = [p for p in status.expected if p not in probed and peers[p].endpoint]
             if self.probe is not None and fresh:
                 probed.update(fresh)
-                alive = await asyncio.gather(*(self.probe(peers[p].endpoint) for p in fresh))
+                alive = await asyncio.gather(*(self.probe(peers[p].endpoint, p) for p in fresh))
                 for pid, ok in zip(fresh, alive, strict=True):
                     if not ok:
                         self._dead[pid] = now + DEAD_FOR

@@ -35,6 +35,7 @@ from moshpitd.proto import moshpit_pb2 as pb
 
 JOIN_DOMAIN = b"moshpit/join/1\x00"
 GROUP_DOMAIN = b"moshpit/group-info/1\x00"
+PROBE_DOMAIN = b"moshpit/probe/1\x00"
 NONCE_BYTES = 16
 _UNSIGNED = frozenset({"signature"})
 
@@ -55,6 +56,22 @@ def join_bytes(request: pb.JoinRequest, leader_id: bytes, tls: bytes) -> bytes:
     return JOIN_DOMAIN + msgpack.packb(values, use_bin_type=True)
 
 
+def is_probe(request: pb.JoinRequest) -> bool:
+    """A liveness probe: a nonce and no group key (a join always names its key)."""
+    return not request.group_key and len(request.nonce) == NONCE_BYTES
+
+
+def probe_request() -> pb.JoinRequest:
+    return pb.JoinRequest(nonce=os.urandom(NONCE_BYTES))
+
+
+def proves_peer(response: pb.JoinResponse, nonce: bytes, peer_id: bytes) -> bool:
+    """Whether a probe's answer was signed by `peer_id`'s key: the declared peer is alive, not
+    merely some daemon at the address it declared."""
+    return (peer_id_of(response.public_key) == peer_id
+            and verify(response.public_key, response.probe_signature, PROBE_DOMAIN + nonce))
+
+
 class PeerAuth:
     """Our peer key at work in matchmaking: it signs our joins and the groups we lead, and
     checks the joins we are sent. One per daemon: the nonces it keeps refuse a replayed join
@@ -67,6 +84,12 @@ class PeerAuth:
         self.window = window
         self.replay = ReplayCache(window)
         self.refused = 0  # joins that did not prove their peer id
+
+    def answer_probe(self, request: pb.JoinRequest) -> pb.JoinResponse:
+        """Our signature over a prober's nonce (about 0.05 ms; a probe is one per line-mate
+        and round)."""
+        return pb.JoinResponse(code=pb.NOT_LOOKING, message="alive", public_key=self.key.public,
+                               probe_signature=self.key.sign(PROBE_DOMAIN + request.nonce))
 
     # --- joins ---------------------------------------------------------------------------
     def sign_join(self, request: pb.JoinRequest, leader_id: bytes) -> pb.JoinRequest:

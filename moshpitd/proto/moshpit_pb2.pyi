@@ -69,18 +69,22 @@ class JoinRequest(_message.Message):
     def __init__(self, group_key: _Optional[str] = ..., peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., bandwidth: _Optional[float] = ..., codec: _Optional[str] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("code", "message", "suggested_leader", "suggested_leader_id", "group_info")
+    __slots__ = ("code", "message", "suggested_leader", "suggested_leader_id", "group_info", "public_key", "probe_signature")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SUGGESTED_LEADER_FIELD_NUMBER: _ClassVar[int]
     SUGGESTED_LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_INFO_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     code: JoinCode
     message: str
     suggested_leader: str
     suggested_leader_id: bytes
     group_info: GroupInfo
-    def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., message: _Optional[str] = ..., suggested_leader: _Optional[str] = ..., suggested_leader_id: _Optional[bytes] = ..., group_info: _Optional[_Union[GroupInfo, _Mapping]] = ...) -> None: ...
+    public_key: bytes
+    probe_signature: bytes
+    def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., message: _Optional[str] = ..., suggested_leader: _Optional[str] = ..., suggested_leader_id: _Optional[bytes] = ..., group_info: _Optional[_Union[GroupInfo, _Mapping]] = ..., public_key: _Optional[bytes] = ..., probe_signature: _Optional[bytes] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("peer_id", "endpoint", "weight", "client_mode", "bandwidth", "data_endpoint")

@@ -98,3 +98,26 @@ def test_a_daemon_that_does_not_encrypt_is_told_at_once_and_stalls_nobody(
     for r in (a, b):
         assert isinstance(r, list), r
         assert torch.allclose(r[0], torch.full((10_000,), 0.5))
+
+
+def test_a_probe_needs_the_declared_peer_s_signature(swarm: LocalSwarm) -> None:
+    """A declaration pointing at a live daemon's address once passed the liveness probe
+    (rounds went from 0.73 to 4.85 s): now only the declared peer's signature over the
+    prober's nonce does."""
+    import asyncio
+
+    from moshpitd.node import MoshpitNode
+    from moshpitd.node_config import NodeConfig
+
+    real = swarm.daemons[1].info
+    made_up = os.urandom(20)
+
+    async def probe() -> tuple[bool, bool, bool]:
+        node = MoshpitNode(NodeConfig())
+        try:
+            return (await node._probe(real["grpc"], bytes.fromhex(real["peer_id"])),
+                    await node._probe(real["grpc"], made_up),
+                    await node._probe("127.0.0.1:1", made_up))
+        finally:
+            await node.pool.close()
+    assert asyncio.run(probe()) == (True, False, False)

@@ -15,7 +15,7 @@ from moshpitd.runner import Endpoints, RoundRunner
 def build(config: NodeConfig) -> tuple[MoshpitNode, RoundRunner]:
     node = MoshpitNode(config)
 
-    async def probe(endpoint: str) -> bool:
+    async def probe(endpoint: str, peer_id: bytes) -> bool:
         return True
 
     runner = RoundRunner(config, Endpoints(b"\x01" * 20, "127.0.0.1:1", "127.0.0.1:2"),

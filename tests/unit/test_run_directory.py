@@ -64,7 +64,7 @@ def test_an_entry_that_names_no_daemon_is_not_waited_for() -> None:
                b"e" * 20: PeerEntry(GRID, (3, 3), 0, joining=True, endpoint="127.0.0.1:1")}
     probed: list[str] = []
 
-    async def probe(endpoint: str) -> bool:
+    async def probe(endpoint: str, peer_id: bytes) -> bool:
         probed.append(endpoint)
         return True
 
