@@ -109,7 +109,7 @@ def test_phantom_joins_are_refused(net: Net) -> None:
     up, or an honest peer's), or signed for another leader, are refused as UNAUTHENTICATED
     while d0 leads; the group then forms of the three honest peers alone."""
     d0, d1 = net.swarm.daemons[:2]
-    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none")
+    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True)
     attacker = PeerKey.generate()
 
     def join(peer_id: bytes, leader: bytes | None = None) -> pb.JoinRequest:
@@ -156,7 +156,8 @@ def test_impersonation_on_the_data_plane_is_refused(net: Net) -> None:
     refused the real members, so every honest peer got ~501.5 under trimmed_mean, with masks
     saying all four contributed. Now each owner refuses the streams that do not prove their
     member's key, and every element is the trimmed mean of the four real contributions."""
-    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", "trimmed_mean")
+    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", "trimmed_mean",
+                         encrypted=True)
     leader = FakeLeader(net.loop, net.key, "impersonate", schema, ELEMS, followers=3)
     try:
         with RawDHT(net.key) as raw:

@@ -167,7 +167,7 @@ def test_a_join_flood_is_bounded(swarm: Swarm) -> None:
     under the first key, exactly, among themselves."""
     s, key, _ = swarm
     round_key, hold_key = "join-flood", "join-hold"
-    schema = schema_hash([TensorSpec("float32", (ELEMS,), 0)])
+    schema = schema_hash([TensorSpec("float32", (ELEMS,), 0)], encrypted=True)  # a swarm key
     ghosts = [PeerKey.generate() for _ in range(3)]
     with RawDHT(key) as raw:
         for d in s.daemons:
@@ -207,8 +207,10 @@ def test_a_join_flood_is_bounded(swarm: Swarm) -> None:
             for g in ghosts[:2]:
                 held.append(ghost_join(pool, endpoint, hold_key, g, schema, lead))
                 assert (await held[-1].read()).code == pb.ACCEPTED
-            return [await ghost_join(pool, endpoint, hold_key, peer, schema, lead).read()
-                    for peer in (ghosts[2], ghosts[0])]
+            # a third ghost; then a second join from a held ghost, under the other key (under
+            # the same key it is a DUPLICATE_PEER, refused before it takes a slot)
+            return [await ghost_join(pool, endpoint, k, peer, schema, lead).read()
+                    for k, peer in ((hold_key, ghosts[2]), (round_key, ghosts[0]))]
         finally:
             for call in held:
                 call.cancel()
