@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--out", type=Path, help="output directory (default: a new one in /tmp)")
     p.add_argument("--smoke", action="store_true",
-                   help="4 hosts, tiny model, 25 s per system, lan (what `make test` runs)")
+                   help="4 hosts, tiny model, 12 s per system, lan (what `make test` runs)")
     p.add_argument("--model", help="workload preset (default small; --smoke: tiny)")
     p.add_argument("--batch", type=int, default=DEFAULT_HYPER.batch, help="sequences per step "
                    "per host")

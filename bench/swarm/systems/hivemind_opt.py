@@ -29,8 +29,9 @@ Knobs (spec.knobs overrides each):
 What these settings mean here (hivemind 1.1.12's own behaviour, not the loop's): its
 TrainingStateAverager runs the averaging round and the local optimizer steps on one
 single-thread executor, so with delay_optimizer_step=False (its default without
-offload_optimizer) opt.step() waits while a round runs. At τ = 5 an epoch is a few seconds of compute, far shorter than a round; hivemind's
-docs recommend "very large batch sizes to reduce the % of time spent on communication".
+offload_optimizer) opt.step() waits while a round runs. At τ = 5 an epoch is a few seconds
+of compute; hivemind's docs recommend "very large batch sizes to reduce the % of time spent on
+communication".
 - The DHT listens on tcp/port_base at this host's IP. Host 0 writes its visible multiaddrs
   to shared_dir/hivemind-dht-0.json; every other host bootstraps from the hosts' files it finds
   (waiting for host 0's), then writes its own, so a returning host finds live peers.
