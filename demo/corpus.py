@@ -20,21 +20,21 @@ INSTALL_HINT = "sudo apt-get install python3-doc"
 class DemoText:
     root: Path  # a directory of *.rst.txt files, for load_corpus
     name: str  # what it is, for the output
-    missing: str | None = None  # why python3-doc's sources were not used, when they were not
+    missing: str | None = None  # why python3-doc's sources are not used, and how to get them
 
 
 def choose_text(workdir: Path, pydoc_topics: bool = False) -> DemoText:
     """python3-doc's sources (or $MOSHPIT_SWARM_CORPUS), else the pydoc topics written under
     workdir."""
+    missing = None
     if not pydoc_topics:
         try:
             root = find_sources()
         except CorpusNotFound as exc:
-            missing = str(exc)
+            missing = (f"{exc}\n  to train on the Python documentation rather than the "
+                       f"pydoc topics: {INSTALL_HINT}")
         else:
             return DemoText(root, f"the Python documentation's sources, {root}")
-    else:
-        missing = None
     root = write_pydoc_topics(workdir / "pydoc-topics")
     return DemoText(root, f"Python's pydoc topics (pydoc_data.topics), written to {root}",
                     missing)

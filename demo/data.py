@@ -1,4 +1,4 @@
-"""The demo's data, without torch: demo.run saves the split once, trainers read it."""
+"""bench.training's data, without torch: it saves the split once, its workers read it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The demo's model and data: small enough that five trainers share two cores comfortably."""
+"""bench.training's model and data: an MLP on sklearn's digits, small enough that its
+processes share two cores comfortably."""
 
 from __future__ import annotations
 

@@ -19,11 +19,21 @@ class Event:
     label: str
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A lone point: a joiner's loss with its own fresh weights, before its download."""
+
+    seconds: float
+    loss: float
+    label: str
+
+
 def plot_validation(path: Path, curves: Mapping[str, Sequence[tuple[float, float]]],
-                    events: Sequence[Event], entropy: float, target: float,
-                    title: str) -> Path:
+                    events: Sequence[Event], marks: Sequence[Mark], entropy: float,
+                    target: float, title: str) -> Path:
     """One line per trainer of (seconds since the start, validation loss), with the byte
-    unigram entropy (what a model that ignores context scores) and the target for scale."""
+    unigram entropy (what a model that ignores context scores) and the target for scale.
+    Averaged trainers hold one model, so their lines lie on top of each other."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -34,13 +44,16 @@ def plot_validation(path: Path, curves: Mapping[str, Sequence[tuple[float, float
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker=".", markersize=4, linewidth=1.2, label=name)
+    for mark in marks:
+        ax.plot([mark.seconds], [mark.loss], linestyle="none", marker="x", color="black",
+                label=mark.label)
     ax.axhline(entropy, color="grey", linestyle=":",
                label=f"byte unigram entropy {entropy:.2f}")
-    ax.axhline(target, color="black", linestyle="--", linewidth=0.8, label=f"{target:g}")
+    ax.axhline(target, color="black", linestyle="--", linewidth=0.8, label=f"target {target:g}")
     for event in events:
         ax.axvline(event.seconds, color="tab:red", linestyle="-.", linewidth=0.8)
-        ax.annotate(event.label, (event.seconds, 1.0), xycoords=("data", "axes fraction"),
-                    rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
+        ax.annotate(event.label, (event.seconds, 0.6), xycoords=("data", "axes fraction"),
+                    rotation=90, va="center", ha="right", fontsize=8, color="tab:red")
     ax.set_xlabel("seconds since the demo started")
     ax.set_ylabel("validation loss (nats per byte)")
     ax.set_title(title, fontsize=10)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import re
 import signal
@@ -33,11 +34,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.swarm.corpus import load_corpus, unigram_entropy
-from demo.corpus import INSTALL_HINT, DemoText, choose_text, trainer_env
-from demo.plot import Event, plot_validation
+from demo.corpus import DemoText, choose_text, trainer_env
+from demo.plot import Event, Mark, plot_validation
 from moshpitd.launcher import LaunchError, LocalSwarm, start_daemon, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +58,20 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
+@dataclass(frozen=True)
+class Left:
+    seconds: float  # since the demo started
+    step: int
+
+
+@dataclass(frozen=True)
+class Joined:
+    seconds: float
+    step: int  # the one it resumed at, downloaded with the state
+    fresh: float  # validation loss with its own fresh weights
+    downloaded: float  # with the state downloaded from peers
+
+
 class Trainer:
     """One trainer process, and what its output said so far (read by a thread)."""
 
@@ -64,8 +80,8 @@ class Trainer:
         self.rank, self.half, self.started = rank, half, started
         self.curve: list[tuple[float, int, float]] = []  # (seconds, step, validation loss)
         self.final: float | None = None
-        self.left: tuple[float, int] | None = None  # (seconds, step) it said it left at
-        self.joined: tuple[float, int, float, float] | None = None  # seconds, step, losses
+        self.left: Left | None = None
+        self.joined: Joined | None = None
         self.host_groups: list[int] = []  # --per-host, a local rank 0: its host's group sizes
         env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
@@ -87,13 +103,14 @@ class Trainer:
                 self.curve.append((now, int(match.group(1)), float(match.group(2))))
             elif match := FINAL.search(line):
                 self.final = float(match.group(1))
-            elif match := JOINED.search(line):
-                self.joined = (now, int(match.group(3)), float(match.group(1)),
-                               float(match.group(2)))
+            elif match := JOINED.search(line):  # the downloaded state's loss starts its curve
+                self.joined = Joined(now, int(match.group(3)), float(match.group(1)),
+                                     float(match.group(2)))
+                self.curve.append((now, self.joined.step, self.joined.downloaded))
             elif match := HOST.search(line):
                 self.host_groups = [int(n) for n in match.group(1).split(",") if n.strip()]
             elif step and "leaving:" in line:
-                self.left = (now, int(step.group(1)))
+                self.left = Left(now, int(step.group(1)))
             if self.half is not None and step and 2 * int(step.group(1)) >= int(step.group(2)):
                 self.half.set()
             say(line if line.startswith(prefix) else prefix + line)
@@ -198,10 +215,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     started = time.monotonic()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moshpit-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    say(f"workdir {workdir}: the daemons' logs and the plot")
+    say(f"workdir {workdir} (the daemons' sockets and logs)")
     text = choose_text(workdir, args.pydoc_topics)
     if text.missing:
-        say(f"{text.missing}\n  for the Python documentation's text: {INSTALL_HINT}")
+        say(text.missing)
     corpus = load_corpus(text.root)
     entropy = unigram_entropy(corpus.train)
     say(f"text: {text.name}: {len(corpus.train):,} training bytes, {len(corpus.validation):,} "
@@ -228,7 +245,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 print(f"daemon {d.name} died (exit {d.proc.returncode}):\n{d.log_tail()}")
         swarm.stop()
     print(f"finished in {time.monotonic() - started:.1f} s")
-    plot = draw(trainers, args, text, entropy, Path(args.plot or workdir / "validation.png"))
+    plot = draw(trainers, args, text, entropy,
+                Path(args.plot or workdir / "validation.png").resolve())
     summarize(trainers, args, entropy)
     print(f"plot of the validation loss against time: {plot}")
     if args.per_host:
@@ -238,16 +256,18 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
 def draw(trainers: list[Trainer], args: argparse.Namespace, text: DemoText, entropy: float,
          path: Path) -> Path:
-    events = []
+    events, marks = [], []
     for t in trainers:
         if t.left is not None:
-            events.append(Event(t.left[0], f"rank {t.rank} killed"))
+            events.append(Event(t.left.seconds, f"rank {t.rank} killed"))
         if t.joined is not None:
-            events.append(Event(t.joined[0], f"rank {t.rank} joins"))
+            events.append(Event(t.joined.seconds, f"rank {t.rank} joins"))
+            marks.append(Mark(t.joined.seconds, t.joined.fresh,
+                              f"rank {t.rank}'s own fresh weights"))
     curves = {f"rank {t.rank}": [(s, loss) for s, _, loss in t.curve] for t in trainers}
     hosts = f"{args.world} hosts of {args.per_host} trainers" if args.per_host else \
         f"{args.world} trainers, one killed, one joining"
-    return plot_validation(path, curves, events, entropy, args.target,
+    return plot_validation(path, curves, events, marks, entropy, args.target,
                            f"Moshpit SGD on 127.0.0.1, {hosts}: {text.root}")
 
 
@@ -272,13 +292,13 @@ def report(trainers: list[Trainer], leaver: int, args: argparse.Namespace) -> in
         if t.rank == leaver:
             ok = code == -signal.SIGKILL and t.left is not None
             print(f"trainer {t.rank}: exit {code}, " + (
-                f"killed at step {t.left[1]} as planned" if ok and t.left is not None
+                f"killed at step {t.left.step} as planned" if ok and t.left is not None
                 else "NOT killed as planned"))
         else:
             ok = code == 0 and t.final is not None
             joined = "" if t.joined is None else (
-                f"joined at step {t.joined[1]} (validation loss {t.joined[2]:.3f} with fresh "
-                f"weights, {t.joined[3]:.3f} with the downloaded state), ")
+                f"joined at step {t.joined.step} (validation loss {t.joined.fresh:.3f} with "
+                f"fresh weights, {t.joined.downloaded:.3f} with the downloaded state), ")
             loss = "missing" if t.final is None else f"{t.final:.4f}"
             print(f"trainer {t.rank}: exit {code}, {joined}final validation loss {loss}")
             if t.final is not None:
@@ -329,14 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-host", type=int, default=0, metavar="N",
                    help="N trainers per daemon, averaging as one peer (local_world=N); "
                    "nobody leaves or joins")
-    p.add_argument("--steps", type=int, default=600, help="local steps of each trainer")
+    p.add_argument("--steps", type=int, default=500, help="local steps of each trainer")
     p.add_argument("--target", type=float, default=2.8,
                    help="the final validation loss (nats per byte) must be below this")
     p.add_argument("--plot", help="where to write the PNG (default: validation.png in the "
                    "workdir)")
     p.add_argument("--pydoc-topics", action="store_true",
                    help="train on Python's pydoc topics even where python3-doc is installed")
-    p.add_argument("--deadline", type=float, default=150.0,
+    p.add_argument("--deadline", type=float, default=300.0,
                    help="seconds before unfinished trainers are stopped and the demo fails")
     p.add_argument("--workdir", help="keep the daemons' sockets and logs here (default: a new "
                    "directory under the system's temporary one, kept after the end)")
@@ -350,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--world must be at least 2 with --per-host: hosts average with each other")
     if not args.per_host and args.world < 3:  # with 2, one would wait out every round alone
         p.error("--world must be at least 3: one trainer leaves, the others go on averaging")
+    if importlib.util.find_spec("matplotlib") is None:  # before training, not after it
+        print("the demo draws its plot with matplotlib: pip install -e '.[demo]'",
+              file=sys.stderr)
+        return 1
     try:
         return run(args, extra)
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from bench.swarm.workload import (
     Batches,
     Hyper,
     build_model,
+    count_parameters,
     evaluate,
     lm_loss,
     make_optimizer,
@@ -34,7 +35,7 @@ from bench.swarm.workload import (
 
 INIT_SEED = 0  # the same initial weights everywhere, so early averages do not cancel out
 JOIN_SEED = 12345  # a joiner's own initial weights differ from the swarm's: the download matters
-DATA_SEED = 0
+DATA_SEED = 0  # with the stream (--shard) and the samples seen, it picks Batches' windows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--socket", required=True, help="IPC socket of this trainer's moshpitd")
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS),
                    help="bench.swarm.workload's preset")
-    p.add_argument("--steps", type=int, default=600, help="local steps of each trainer")
+    p.add_argument("--steps", type=int, default=500, help="local steps of each trainer")
     p.add_argument("--batch", type=int, default=16, help="windows of the model's context")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -54,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=20,
                    help="steps between validation losses (a multiple of --average-every "
                    "evaluates just-averaged weights)")
-    p.add_argument("--timeout", type=float, default=5.0,
+    p.add_argument("--timeout", type=float, default=2.0,
                    help="seconds per averaging round: a trainer a round behind the others (a "
                    "joiner often is) waits this long in vain at its last one")
     p.add_argument("--sync-timeout", type=float, default=60.0,
@@ -97,7 +98,7 @@ def train(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     def validation_loss() -> float:
         return evaluate(model.state_dict(), args.model)
 
-    say(f"{args.model} model, {sum(p.numel() for p in model.parameters()):,} parameters; "
+    say(f"{args.model} model, {count_parameters(model):,} parameters; "
         f"stream {shard}, batches of {hyper.batch} x {hyper.seq_len} bytes, {total} steps")
     # a joiner scores its fresh weights (and so loads the text) now: joining is quick later
     fresh = validation_loss() if args.join else math.nan
@@ -176,4 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # No interpreter teardown: torch's takes about half a second of CPU, which the trainers
+    # still running need, and nothing is left to release (opt.close() closed the client).
+    os._exit(code)
