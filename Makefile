@@ -73,7 +73,7 @@ system-deps:
 # The suite runs in TEST_JOBS processes (pytest-xdist), a file per process at a time: most of
 # its time is real daemons waiting on sockets and deadlines, not CPU. The two venvs and the
 # system packages are installed side by side first.
-TEST_JOBS ?= 3
+TEST_JOBS ?= 5
 
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(PEERS_STAMP) system-deps

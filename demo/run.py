@@ -84,8 +84,11 @@ class Trainer:
         self.joined: Joined | None = None
         self.host_groups: list[int] = []  # --per-host, a local rank 0: its host's group sizes
         env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        # niced: on a machine with fewer cores than trainers a step may wait, but the daemons'
+        # rounds (and with them every trainer) should not
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "demo.trainer", "--rank", str(rank), *args], cwd=ROOT,
+            ["nice", "-n", "10", sys.executable, "-m", "demo.trainer", "--rank", str(rank),
+             *args], cwd=ROOT,
             env=env, stdin=stdin, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         self.reader = threading.Thread(target=self._read, daemon=True)

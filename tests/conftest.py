@@ -13,21 +13,26 @@ from moshpitd.launcher import LocalSwarm
 # first: `make test` keeps this order (--no-loadscope-reorder), so no process is left with a
 # three-minute file at the end while the others sit idle. pytest-xdist's own order is by the
 # number of tests in a file, which puts these single long tests last.
-LONGEST_FIRST = (
-    "tests/integration/test_swarm_smoke.py",  # ~250 s
-    "tests/integration/test_fuzz_ipc.py",  # ~195 s
-    "tests/integration/test_join.py",  # ~160 s
-    "tests/integration/test_swarm_multi_smoke.py",  # ~70 s (150 s at load 8)
-    "tests/integration/test_optimizer.py",  # ~140 s
+LONGEST_FIRST = (  # seconds each took in a full run at -n 4 on 2 cores
+    "tests/integration/test_swarm_smoke.py",  # ~160 s
+    "tests/integration/test_faults.py",  # ~160 s, mostly waiting out deadlines
+    "tests/integration/test_fuzz_ipc.py",  # ~160 s (20 s on an idle machine)
+    "tests/integration/test_optimizer.py",  # ~130 s
     "tests/integration/test_demo.py",  # ~125 s
-    "tests/integration/test_fuzz_grpc.py",  # ~80 s
-    "tests/integration/test_service.py",
-    "tests/integration/test_diloco_bench.py",
-    "tests/integration/test_faults.py",
+    "tests/integration/test_join.py",  # ~110 s
+    "tests/integration/test_swarm_multi_smoke.py",  # ~90 s
+    "tests/integration/test_bench_allreduce_netns.py",
     "tests/integration/test_state.py",
     "tests/integration/test_netns.py",
-    "tests/integration/test_swarm_diloco_worker.py",
+    "tests/integration/test_grid.py",
+    "tests/integration/test_average.py",
+    "tests/integration/test_fuzz_dht.py",
+    "tests/integration/test_ipc_robustness.py",
+    "tests/integration/test_fuzz_grpc.py",
+    "tests/integration/test_wheel.py",
     "tests/docs/test_examples.py",
+    "tests/integration/test_swarm_diloco_worker.py",
+    "tests/integration/test_diloco_bench.py",
 )
 
 

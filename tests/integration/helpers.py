@@ -80,3 +80,9 @@ def run_swarm_smoke(out: Path, *args: str) -> tuple[dict[str, Any], str]:
                           timeout=400)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+# Trainer processes run niced: `make test` runs several files at once on few cores, and a
+# CPU-bound training step can wait where a daemon's round, or a test waiting on a socket,
+# should not. A trainer only steps a little slower.
+NICE = ["nice", "-n", "10"]

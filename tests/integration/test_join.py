@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moshpitd.launcher import LocalSwarm, start_daemon
+from tests.integration.helpers import NICE
 from tests.integration.test_optimizer import collect, save_split, spawn
 
 WORLD = 4
@@ -107,7 +108,7 @@ print(json.dumps({"rank": rank, "accuracy": acc, "final_sync": final,
 
 
 def start(cfg: dict[str, Any]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(cfg)],
+    return subprocess.Popen([*NICE, sys.executable, "-c", TRAINER, json.dumps(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

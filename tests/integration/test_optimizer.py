@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from moshpitd.launcher import LocalSwarm
+from tests.integration.helpers import NICE
 
 WORLD = 4
 BATCH = 16  # per trainer; the single process uses WORLD * BATCH
@@ -146,7 +147,7 @@ def save_split(path: Path) -> None:
 
 
 def spawn(cfg: dict[str, Any]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(cfg)],
+    return subprocess.Popen([*NICE, sys.executable, "-c", TRAINER, json.dumps(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
