@@ -12,6 +12,7 @@ was refused or cut out; never because a round merely completed.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -252,3 +253,38 @@ def test_a_hello_flood_fails_no_round(net: Net) -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_leader_that_accepts_and_never_assembles_holds_nobody_for_long(net: Net) -> None:
+    """One identity declares itself 10 s back with a 600 s lifetime, so it ranks first, then
+    answers ACCEPTED and nothing more. Followers once waited for the later of their own and
+    its declared deadline, failing after their whole timeout. Now each waits on its own
+    attempt's clock, does not ask that leader again, and the honest peers average among
+    themselves within their timeout."""
+    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True)
+    leader = FakeLeader(net.loop, net.key, "stall", schema, ELEMS, followers=99)  # never full
+    try:
+        with RawDHT(net.key) as raw:
+            for d in net.swarm.daemons:
+                assert raw.store_sub(hostport(d.dht), "stall", leader.peer,
+                                     leader.declaration().pack(), leader.declare_at(),
+                                     ttl=600.0)
+                raw.leave(hostport(d.dht))
+        inputs = inputs_of(net.ids, 20)
+        timeout = 15.0
+
+        def average(i: int) -> tuple[torch.Tensor, moshpit.RoundInfo | None, float]:
+            with moshpit.Client(net.swarm.sockets[i]) as c:
+                began = time.monotonic()
+                (out,) = c.average([inputs[net.ids[i]]], key="stall", group_size=4,
+                                   min_group_size=3, timeout=timeout)
+                return out, c.last_round, time.monotonic() - began
+        with ThreadPoolExecutor(3) as pool:
+            results = [f.result(60) for f in [pool.submit(average, i) for i in range(3)]]
+        want = torch.stack([inputs[p] for p in net.ids]).mean(0)
+        for out, info, took in results:
+            assert info is not None and set(info.members) == set(net.ids), info
+            assert torch.allclose(out, want, atol=1e-6), (out - want).abs().max()
+            assert took < timeout, took
+    finally:
+        leader.close()

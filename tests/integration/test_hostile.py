@@ -121,3 +121,31 @@ def test_a_probe_needs_the_declared_peer_s_signature(swarm: LocalSwarm) -> None:
         finally:
             await node.pool.close()
     assert asyncio.run(probe()) == (True, False, False)
+
+
+def test_two_run_records_cannot_hang_a_daemon(swarm: LocalSwarm) -> None:
+    """Two grid-directory entries, one at round 0 in a cell off the victim's lines and one
+    "joining" at round 2^61, once made the round planner count towards 2^61 on the event loop:
+    the daemon stopped answering its trainers and /metrics. Now its round answers at once
+    (alone: nobody honest shares its lines) and the daemon stays responsive."""
+    from moshpitd.identity import PeerKey
+    from moshpitd.matchmaking.grid import Grid
+    from moshpitd.matchmaking.runs import PeerEntry
+    from tests.integration.dht_wire import RawDHT, hostport
+
+    grid = Grid(4, 2)
+    attack = [(PeerEntry(grid, (1, 1), 0), PeerKey.generate()),
+              (PeerEntry(grid, (2, 2), 1 << 61, joining=True), PeerKey.generate())]
+    with RawDHT() as raw:
+        for d in swarm.daemons:
+            for entry, writer in attack:
+                assert raw.store_sub(hostport(d.dht), "hang-run/peers", writer, entry.pack())
+        raw.leave(hostport(swarm.daemons[0].dht))
+    with moshpit.Client(swarm.sockets[0]) as c:
+        began = time.monotonic()
+        out = run_parallel([lambda: c.average([torch.ones(1000)], key="hang-run", grid=(4, 2),
+                                              initial_coords=(0, 0), timeout=5)], timeout=20)
+        assert not isinstance(out[0], BaseException), out
+        assert time.monotonic() - began < 5
+        assert c.status()["status"]["peer_id"] == swarm.daemons[0].info["peer_id"]
+    assert swarm.daemons[0].alive()
