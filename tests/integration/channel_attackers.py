@@ -35,6 +35,7 @@ from moshpitd.transport.dataplane import HEADER, HELLO, PART
 from moshpitd.transport.grpc_server import AveragerServer
 from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.security import Security
+from tests.integration.dht_wire import RawDHT, hostport
 
 T = TypeVar("T")
 MAX_PAYLOAD = (2 << 20) + 4096  # the daemons' default part_size * 2 + 4096
@@ -238,6 +239,15 @@ class FakeLeader:
         """A declaration's version ten seconds in the past: it ranks before the honest peers'
         (declarations are dated within their lifetime of the reader's clock)."""
         return time.time_ns() - 10 * 10**9
+
+    def declare(self, dhts: list[str], ttl: float) -> None:
+        """Its signed declaration under its key, stored on each of these DHT nodes, dated
+        ten seconds back with lifetime `ttl`."""
+        with RawDHT(self.swarm) as raw:
+            for dht in dhts:
+                assert raw.store_sub(hostport(dht), self.key, self.peer,
+                                     self.declaration().pack(), self.declare_at(), ttl=ttl)
+                raw.leave(hostport(dht))
 
     def close(self) -> None:
         for s in self.impostors:

@@ -42,7 +42,7 @@ from tests.integration.channel_attackers import (
     free_port,
     hello_flood,
 )
-from tests.integration.dht_wire import RawDHT, hostport
+from tests.integration.dht_wire import hostport
 from tests.integration.helpers import active_keys, run_parallel, wait_until
 from tests.integration.test_grid import check_round
 from tests.integration.test_identity_attacks import average_all, metrics, swarm_key
@@ -161,12 +161,7 @@ def test_impersonation_on_the_data_plane_is_refused(net: Net) -> None:
                          encrypted=True)
     leader = FakeLeader(net.loop, net.key, "impersonate", schema, ELEMS, followers=3)
     try:
-        with RawDHT(net.key) as raw:
-            for d in net.swarm.daemons:
-                assert raw.store_sub(hostport(d.dht), "impersonate", leader.peer,
-                                     leader.declaration().pack(), leader.declare_at(),
-                                     ttl=60.0)
-                raw.leave(hostport(d.dht))
+        leader.declare([d.dht for d in net.swarm.daemons], ttl=60.0)
         inputs = {**inputs_of(net.ids, 10),  # (its round averages into leader.values)
                   leader.peer.peer_id.hex(): torch.from_numpy(leader.values.copy())}
         with ThreadPoolExecutor(3) as pool:
@@ -264,12 +259,7 @@ def test_a_leader_that_accepts_and_never_assembles_holds_nobody_for_long(net: Ne
     schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True)
     leader = FakeLeader(net.loop, net.key, "stall", schema, ELEMS, followers=99)  # never full
     try:
-        with RawDHT(net.key) as raw:
-            for d in net.swarm.daemons:
-                assert raw.store_sub(hostport(d.dht), "stall", leader.peer,
-                                     leader.declaration().pack(), leader.declare_at(),
-                                     ttl=600.0)
-                raw.leave(hostport(d.dht))
+        leader.declare([d.dht for d in net.swarm.daemons], ttl=600.0)
         inputs = inputs_of(net.ids, 20)
         timeout = 15.0
 
