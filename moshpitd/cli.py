@@ -96,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from moshpitd.service import serve  # the heavy imports only once settings are valid
 
-    log.info("peer id %s, key file %s", identity.peer_id.hex() if identity else "?", key_file)
+    assert identity is not None  # made or loaded above whenever the daemon starts
+    log.info("peer id %s, key file %s", identity.peer_id.hex(), key_file)
     try:
         return run(serve(settings, *secrets, identity=identity))
     except OSError as exc:
