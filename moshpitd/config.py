@@ -222,6 +222,20 @@ class Settings:
     join_max_per_peer: int = option(
         Int(1, 1 << 10), 8, LIMITS,
         "Join calls one peer id may have open on this daemon at once, over all keys")
+    grpc_max_connections: int = option(
+        Int(1, 1 << 16), 1024, LIMITS, "connections to the gRPC port at once",
+        note="Past it a new connection is closed at once. A connection that sends nothing "
+        "within 10 s, or leaves our bytes untaken for 30 s, is closed too.")
+    grpc_max_connections_per_address: int = option(
+        Int(1, 1 << 16), 64, LIMITS, "connections to the gRPC port from one IP address at once",
+        note="Loose on purpose: daemons on one host, or behind one NAT, share an address.")
+    grpc_max_calls_per_address: int = option(
+        Int(1, 1 << 16), 256, LIMITS, "calls (joins, state downloads) open at once on the gRPC "
+        "port from one IP address")
+    grpc_write_timeout: float = option(
+        Float(1.0, 600.0, unit="s"), 30.0, LIMITS,
+        "how long one gRPC response may wait for its caller to take it before the call is "
+        "cancelled", note="A state chunk is 1 MiB: the default asks a downloader for 35 KB/s.")
     max_ipc_sessions: int = option(Int(1, 1 << 16), 64, LIMITS, "trainer connections at once")
     max_message_bytes: int = option(
         Int(1 << 16, 1 << 30, unit="bytes"), 64 << 20, LIMITS,

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import platform
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from prometheus_client import (
@@ -104,6 +104,18 @@ class Metrics:
             "join_max_in_flight of them, or join_max_per_peer from the asking peer id",
             "limit", ("in_flight", "per_peer"), refused))
 
+    def watch_grpc(self, server: GrpcServerStats) -> None:
+        """What the gRPC port refused or cut before a peer proved anything (transport/gate.py)."""
+        self.registry.register(_LabelledCounts(
+            "moshpitd_grpc_refused", "gRPC connections and calls refused or cut by a bound: "
+            "connections per address or in total, connections silent 10 s or stalled, calls "
+            "per address, responses their caller did not take in time",
+            "limit", ("per_address", "total", "silent", "stalled", "rpcs_per_address",
+                      "write_stalled"), lambda: server.refused))
+        Gauge("moshpitd_grpc_connections", "gRPC connections open through the gate",
+              registry=self.registry).set_function(
+            lambda: server.gate.connections if server.gate is not None else 0)
+
     def watch_data_plane(self, plane: DataPlaneStats) -> None:
         """Streams the data plane refused, and those waiting for a group it does not hold."""
         Gauge("moshpitd_data_streams_waiting", "Incoming data-plane streams waiting for a "
@@ -145,6 +157,13 @@ class _LabelledCounts(Collector):
         for value in self.values:
             family.add_metric([value], counts.get(value, 0))
         yield family
+
+
+class GrpcServerStats(Protocol):
+    @property
+    def refused(self) -> Mapping[str, int]: ...
+    @property
+    def gate(self) -> Any: ...
 
 
 class DHTStoreStats(Protocol):

@@ -40,7 +40,8 @@ from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog
 from moshpitd.runner import Endpoints, RoundRunner
 from moshpitd.state import StateStore
-from moshpitd.transport.grpc_server import AveragerServer, ChannelPool
+from moshpitd.transport.gate import GateLimits
+from moshpitd.transport.grpc_server import AveragerServer, ChannelPool, ServerLimits
 from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.security import Security
 
@@ -70,8 +71,12 @@ class MoshpitNode:
                                                  max_bytes=config.dht_max_bytes,
                                                  max_per_writer=config.dht_max_records_per_peer))
         self.pool = ChannelPool(config.max_message_bytes, security)
-        self.server = AveragerServer(self._handle_join, self._handle_state,
-                                     config.max_message_bytes, security)
+        self.server = AveragerServer(
+            self._handle_join, self._handle_state, config.max_message_bytes, security,
+            ServerLimits(GateLimits(config.grpc_max_connections_per_address,
+                                    config.grpc_max_connections),
+                         config.grpc_max_calls_per_address, config.grpc_write_timeout))
+        self.metrics.watch_grpc(self.server)
         # identity is always on; encryption whenever a swarm key or TLS says the network is
         # not trusted, unless the operator turned it off
         encrypt = config.data_encryption == "auto" and (config.swarm_key is not None

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.gate import Gate, GateLimits
 from moshpitd.transport.security import Security
 
 log = logging.getLogger(__name__)
@@ -30,6 +34,12 @@ MAX_REQUEST = 16 << 10
 # their signature is checked: matchmaking/admission.py).
 MAX_STREAMS_PER_CONNECTION = 64
 MAX_CONCURRENT_RPCS = 2048
+# A connection with no call open this long is closed (a pool reconnects on its next call).
+IDLE_MS = 300_000
+RPCS_PER_ADDRESS = "rpcs_per_address"  # `limit` labels of moshpitd_grpc_refused_total
+WRITE_STALLED = "write_stalled"
+
+T = TypeVar("T")
 
 JoinHandler = Callable[[pb.JoinRequest, aio.ServicerContext], AsyncIterator[pb.JoinResponse]]
 StateHandler = Callable[[pb.StateRequest, aio.ServicerContext], AsyncIterator[pb.StateChunk]]
@@ -46,31 +56,57 @@ def channel_options(max_message: int) -> list[tuple[str, Any]]:
     ]
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """What the gRPC server holds for peers that have proven nothing yet (see gate.py)."""
+
+    gate: GateLimits = field(default_factory=GateLimits)
+    rpcs_per_address: int = 256  # calls open at once through one remote address
+    # s a response may wait for its caller to take it (a JoinResponse is < 2 KiB, a StateChunk
+    # 1 MiB): a caller that stops reading (an HTTP/2 window of 0) has its call cancelled, so
+    # the handler reaches its `finally` and the call leaves the server's count
+    write_timeout: float = 30.0
+
+
 class AveragerServer:
-    """Serves the control plane (Join) with a generic handler."""
+    """Serves the control plane (Join, DownloadState) with generic handlers, behind a gate
+    that bounds connections per address (None: gRPC listens on the address itself)."""
 
     def __init__(self, join: JoinHandler, state: StateHandler,
-                 max_message: int = DEFAULT_MAX_MESSAGE, security: Security | None = None
-                 ) -> None:
+                 max_message: int = DEFAULT_MAX_MESSAGE, security: Security | None = None,
+                 limits: ServerLimits | None = ServerLimits(),
+                 on_refuse: Callable[[str], None] | None = None) -> None:
         self._join = join
         self._state = state
         self.max_message = max_message
         self.security = security or Security()
+        self.limits = limits
+        self.on_refuse = on_refuse or (lambda why: None)
+        self.refused: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()  # remote address -> calls open
+        self.gate: Gate | None = None
         self.server: aio.Server | None = None
         self.health = health.aio.HealthServicer()
+
+    def _refuse(self, why: str) -> None:
+        self.refused[why] += 1
+        self.on_refuse(why)
 
     async def start(self, host: str, port: int) -> int:
         options = [*(o for o in channel_options(self.max_message)
                      if o[0] != "grpc.max_receive_message_length"),
                    ("grpc.max_receive_message_length", MAX_REQUEST), ("grpc.so_reuseport", 0),
-                   ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
+                   ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+                   ("grpc.max_connection_idle_ms", IDLE_MS)]
         self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         sec = self.security
         handlers = {
             "Join": grpc.unary_stream_rpc_method_handler(
-                self._join, **sec.server_side(JOIN, pb.JoinRequest, pb.JoinResponse)),
+                self._bounded(self._join), **sec.server_side(JOIN, pb.JoinRequest,
+                                                             pb.JoinResponse)),
             "DownloadState": grpc.unary_stream_rpc_method_handler(
-                self._state, **sec.server_side(DOWNLOAD_STATE, pb.StateRequest, pb.StateChunk)),
+                self._bounded(self._state), **sec.server_side(DOWNLOAD_STATE, pb.StateRequest,
+                                                              pb.StateChunk)),
         }
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
@@ -78,16 +114,63 @@ class AveragerServer:
         # grpc.health.v1: "" is the whole daemon, SERVICE the averager; both NOT_SERVING while
         # draining, so load balancers and probes stop sending work before the port closes
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        inner = (host, port) if self.limits is None else ("127.0.0.1", 0)
+        target = f"[{inner[0]}]:{inner[1]}" if ":" in inner[0] else f"{inner[0]}:{inner[1]}"
         creds = sec.server_credentials()
         bound = (self.server.add_insecure_port(target) if creds is None
                  else self.server.add_secure_port(target, creds))
         if bound == 0:
             raise OSError(f"cannot bind gRPC to {target}")
         await self.server.start()
+        if self.limits is not None:
+            self.gate = Gate(("127.0.0.1", bound), self.limits.gate, self._refuse)
+            try:
+                bound = await self.gate.start(host, port)
+            except OSError:
+                await self.server.stop(None)
+                raise
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return bound
+
+    def _bounded(self, handler: Callable[[T, aio.ServicerContext], AsyncIterator[Any]]
+                 ) -> Callable[[T, aio.ServicerContext], AsyncIterator[Any]]:
+        """`handler` with the calls of one remote address bounded, and each response written
+        within write_timeout or the call cancelled."""
+        limits = self.limits
+        if limits is None:
+            return handler
+
+        async def bounded(request: T, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            peer = context.peer()
+            origin = self.gate.origin(peer) if self.gate is not None else None
+            address = origin or peer.rpartition(":")[0]  # a connection around the gate: its host
+            if self.calls[address] >= limits.rpcs_per_address:
+                self._refuse(RPCS_PER_ADDRESS)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{limits.rpcs_per_address} calls are open from this "
+                                    "address (setting grpc_max_calls_per_address)")
+            self.calls[address] += 1
+            task = asyncio.current_task()
+            loop = asyncio.get_running_loop()
+            try:
+                async for response in handler(request, context):
+                    watchdog = loop.call_later(limits.write_timeout, self._stalled, task)
+                    try:
+                        yield response  # gRPC writes it before it resumes us
+                    finally:
+                        watchdog.cancel()
+            finally:
+                self.calls[address] -= 1
+                if self.calls[address] <= 0:
+                    del self.calls[address]
+
+        return bounded
+
+    def _stalled(self, task: asyncio.Task[Any] | None) -> None:
+        self._refuse(WRITE_STALLED)
+        if task is not None:
+            task.cancel()
 
     async def draining(self) -> None:
         for name in ("", SERVICE):
@@ -97,6 +180,8 @@ class AveragerServer:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.gate is not None:
+            await self.gate.close()
 
 
 class ChannelPool:

@@ -23,6 +23,11 @@ import pytest
 import torch
 
 import moshpit
+from bench.attacks.dht_wire import hostport
+from bench.attacks.hello import hello_flood
+from bench.attacks.leader import FakeLeader
+from bench.attacks.loop import LoopThread, free_port
+from bench.attacks.relay import Relay
 from moshpitd.allreduce.layout import schema_hash, specs_from_wire
 from moshpitd.allreduce.registry import MAX_STRANGERS
 from moshpitd.allreduce.robust import aggregate
@@ -35,14 +40,6 @@ from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import JOIN
 from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.security import Security
-from tests.integration.channel_attackers import (
-    FakeLeader,
-    LoopThread,
-    Relay,
-    free_port,
-    hello_flood,
-)
-from tests.integration.dht_wire import hostport
 from tests.integration.helpers import active_keys, run_parallel, wait_until
 from tests.integration.test_grid import check_round
 from tests.integration.test_identity_attacks import average_all, metrics, swarm_key

@@ -128,10 +128,10 @@ def test_two_run_records_cannot_hang_a_daemon(swarm: LocalSwarm) -> None:
     "joining" at round 2^61, once made the round planner count towards 2^61 on the event loop:
     the daemon stopped answering its trainers and /metrics. Now its round answers at once
     (alone: nobody honest shares its lines) and the daemon stays responsive."""
+    from bench.attacks.dht_wire import RawDHT, hostport
     from moshpitd.identity import PeerKey
     from moshpitd.matchmaking.grid import Grid
     from moshpitd.matchmaking.runs import PeerEntry
-    from tests.integration.dht_wire import RawDHT, hostport
 
     grid = Grid(4, 2)
     attack = [(PeerEntry(grid, (1, 1), 0), PeerKey.generate()),

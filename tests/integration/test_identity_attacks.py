@@ -21,12 +21,12 @@ import torch
 from kademlia.utils import digest
 
 import moshpit
+from bench.attacks.dht_wire import RawDHT, hostport
 from moshpitd.auth import SwarmKey
 from moshpitd.dht.records import MAX_TTL, sign, signed_bytes
 from moshpitd.identity import PeerKey, peer_id_of, verify
 from moshpitd.launcher import DaemonProcess, LocalSwarm
 from moshpitd.matchmaking.declaration import Declaration
-from tests.integration.dht_wire import RawDHT, hostport
 from tests.integration.helpers import run_parallel
 from tests.integration.test_grid import check_round
 

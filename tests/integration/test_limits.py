@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import moshpit
+from bench.attacks.dht_wire import RawDHT, hostport
 from moshpitd.identity import PeerKey
 from moshpitd.launcher import start_daemon
-from tests.integration.dht_wire import RawDHT, hostport
 
 
 def test_limits_refuse_with_the_setting_named(tmp_path: Path) -> None:

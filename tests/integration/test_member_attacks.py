@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import moshpit
+from bench.attacks.dht_wire import RawDHT, hostport
 from moshpitd.allreduce.layout import TensorSpec, schema_hash
 from moshpitd.auth import SwarmKey
 from moshpitd.faults import TAMPERINGS
@@ -37,7 +38,6 @@ from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 from moshpitd.transport.security import Security
-from tests.integration.dht_wire import RawDHT, hostport
 from tests.integration.helpers import run_parallel, wait_until
 from tests.integration.test_grid import check_round
 from tests.integration.test_identity_attacks import metrics, swarm_key

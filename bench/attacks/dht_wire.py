@@ -1,6 +1,8 @@
 """A DHT peer spoken by hand: raw datagrams in the protocol's own encoding (rpcudp framing,
 umsgpack bodies, sealed with the swarm key when one is given), as an attacker who holds the
-swarm key would send them. Records are signed with whichever peer key the caller passes."""
+swarm key would send them. Records are signed with whichever peer key the caller passes.
+
+Used by the regression tests of the DHT's bounds and by the soak's attacker (bench/attacks)."""
 
 from __future__ import annotations
 
@@ -69,16 +71,16 @@ class RawDHT:
 
     def store_sub(self, addr: tuple[str, int], key: str, writer: PeerKey, value: bytes,
                   version: int | None = None, ttl: float = 60.0, subkey: bytes | None = None,
-                  proof: Any = None, send_only: bool = False) -> Any:
+                  proof: Any = None, send_only: bool = False, timeout: float = 5.0) -> Any:
         """A record under `subkey` (default: the writer's own id), signed by `writer` unless
-        `proof` is given."""
+        `proof` is given; its answer (None if none came within `timeout`)."""
         dkey = digest(key)
         version = time.time_ns() if version is None else version
         wire = sign(writer, dkey, value, version, ttl).wire() if proof is None else proof
         args = (self.node_id, dkey, subkey or writer.peer_id, value, version, ttl, wire)
         if send_only:
             return self.send(addr, "store_sub", *args)
-        return self.call(addr, "store_sub", *args)
+        return self.call(addr, "store_sub", *args, timeout=timeout)
 
     def find_subs(self, addr: tuple[str, int], key: str) -> list[list[Any]]:
         answer = self.call(addr, "find_subs", self.node_id, digest(key))

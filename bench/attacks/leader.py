@@ -1,23 +1,20 @@
-"""Attackers on the channels between daemons, for tests/integration/test_channel_attacks.py.
-
-Each holds the swarm key and peer keys of its own, and speaks the protocols with moshpitd's
-own building blocks (gRPC server and channel security, the data plane's handshake, a whole
-butterfly round as a member): only what an attacker decides differs from an honest daemon.
-"""
+"""A key holder that leads a group under a key with a declaration of its own, dated early so
+that it ranks first: it can hold its followers' GroupInfo back (and open impostor streams
+meanwhile), or never assemble at all."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
 import numpy as np
 from grpc import aio
 
+from bench.attacks.dht_wire import RawDHT, hostport
+from bench.attacks.loop import LoopThread
 from moshpitd.allreduce.butterfly import ButterflyRound, RoundResult
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.deadlines import DeadlinePolicy
@@ -35,96 +32,8 @@ from moshpitd.transport.dataplane import HEADER, HELLO, PART
 from moshpitd.transport.grpc_server import AveragerServer
 from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.security import Security
-from tests.integration.dht_wire import RawDHT, hostport
 
-T = TypeVar("T")
 MAX_PAYLOAD = (2 << 20) + 4096  # the daemons' default part_size * 2 + 4096
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-class LoopThread:
-    """An event loop of the attacker's own, in a thread; `run` waits for a coroutine there."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-class Relay:
-    """TCP forwarding from `listen_host` to `target_host`, port for port: what an on-path
-    attacker sees. With `tamper` set, it flips one byte inside the first PART of the next data
-    stream it relays to the target, and records the sender index of that stream's HELLO."""
-
-    def __init__(self, loop: LoopThread, listen_host: str, target_host: str,
-                 ports: list[int], data_port: int, hello_length: int) -> None:
-        self.loop, self.data_port, self.hello_length = loop, data_port, hello_length
-        self.tamper = False
-        self.tampered_sender: int | None = None
-        self.servers = [loop.run(asyncio.start_server(
-            lambda r, w, p=port: self._relay(r, w, target_host, p), listen_host, port))
-            for port in ports]
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     host: str, port: int) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(host, port)
-        except OSError:
-            writer.close()
-            return
-        flip = None
-        if port == self.data_port and self.tamper:  # a byte well inside the first PART
-            self.tamper, flip = False, HEADER.size + self.hello_length + HEADER.size + 100
-        await asyncio.gather(self._pump(reader, up_writer, flip), self._pump(up_reader, writer),
-                             return_exceptions=True)
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    flip: int | None = None) -> None:
-        seen = 0
-        try:
-            while data := await reader.read(1 << 16):
-                if seen == 0 and flip is not None and data[0] == HELLO and len(data) >= 24:
-                    self.tampered_sender = int.from_bytes(data[16:24], "little")
-                if flip is not None and seen <= flip < seen + len(data):
-                    data = bytearray(data)
-                    data[flip - seen] ^= 0x01
-                seen += len(data)
-                writer.write(data)
-                await writer.drain()
-        finally:
-            writer.close()
-
-    def close(self) -> None:
-        for server in self.servers:
-            server.close()
-
-
-def hello_flood(endpoint: str, swarm: SwarmKey, count: int) -> list[socket.socket]:
-    """`count` streams to a data plane, each opened by a valid sealed and signed HELLO (a key
-    holder with made-up identities) for a group nobody holds, kept open."""
-    host, port = endpoint.rsplit(":", 1)
-    keys = [PeerKey.generate(), PeerKey.generate()]
-    socks = []
-    for _ in range(count):
-        group = Group(os.urandom(16), "flood", 0, b"s" * 16,
-                      tuple(GroupMember(k.peer_id, "", 1.0) for k in keys))
-        wire, _ = Handshake(keys[0], swarm, encrypt=True).hello(group, 0, 1)
-        s = socket.create_connection((host, int(port)), timeout=5)
-        s.sendall(HEADER.pack(HELLO, 0, 0, 1, len(wire), 0) + wire)
-        socks.append(s)
-    return socks
 
 
 class FakeLeader:
@@ -189,7 +98,7 @@ class FakeLeader:
                         r.data_endpoint) for r in self.joins.values())), "none")
         await asyncio.to_thread(self._impersonate, group)
         await self.release.wait()  # the GroupInfo held back until the owners hold the streams
-        view = FlatView(memoryview(self.values).cast("B"),
+        view = FlatView(self.values.data.cast("B"),
                         [TensorSpec("float32", self.values.shape, 0)])
         rnd = ButterflyRound(group, 0, view, get_codec("none"), self.registry.connect,
                              self.handshake, hooks=NO_HOOKS, aggregation="trimmed_mean")
@@ -243,11 +152,18 @@ class FakeLeader:
     def declare(self, dhts: list[str], ttl: float) -> None:
         """Its signed declaration under its key, stored on each of these DHT nodes, dated
         ten seconds back with lifetime `ttl`."""
+        assert self.declare_on(dhts, ttl) == len(dhts)
+
+    def declare_on(self, dhts: list[str], ttl: float, timeout: float = 5.0) -> int:
+        """As `declare`; returns how many of the nodes took it (a dead one answers nothing)."""
+        took = 0
         with RawDHT(self.swarm) as raw:
             for dht in dhts:
-                assert raw.store_sub(hostport(dht), self.key, self.peer,
-                                     self.declaration().pack(), self.declare_at(), ttl=ttl)
+                took += raw.store_sub(hostport(dht), self.key, self.peer,
+                                      self.declaration().pack(), self.declare_at(), ttl=ttl,
+                                      timeout=timeout) is True
                 raw.leave(hostport(dht))
+        return took
 
     def close(self) -> None:
         for s in self.impostors:

@@ -1,0 +1,147 @@
+"""A gate in front of the gRPC port: what a peer may hold before it proves anything.
+
+gRPC offers bounds per connection (streams, message size) and over the whole server (RPCs at
+once), but none per address, and it takes every connection it is offered. So the daemon's gRPC
+server listens on loopback only, and its public port is this gate: it counts connections per
+remote address and in total, refuses one past either bound at once, closes a connection that
+sends nothing within `first_bytes` s or does not take our bytes for `stall` s, and copies
+bytes through buffers of a fixed size (so a connection holds at most a few of them, whatever
+its peer does). The handlers learn the remote address of the connection a call came through
+from `origin`, to bound RPCs per address as well.
+
+Per-address bounds are loose on purpose: tests and benchmarks run many daemons on 127.0.0.1,
+and peers behind one NAT share an address. After a peer proves its key (a signed join), the
+bounds are per identity (matchmaking/admission.py). TLS passes through untouched: the gate
+sees only ciphertext, and gRPC still checks certificates end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+CHUNK = 32 << 10  # bytes read at once from either side: the buffers a connection may fill
+PER_ADDRESS = "per_address"  # `limit` labels of moshpitd_grpc_connections_refused_total
+TOTAL = "total"
+SILENT = "silent"  # closed: nothing within first_bytes
+STALLED = "stalled"  # closed: did not take our bytes within stall
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    per_address: int = 64  # connections from one address at once
+    total: int = 1024  # connections at once
+    first_bytes: float = 10.0  # s to send the HTTP/2 preface (or the TLS hello)
+    stall: float = 30.0  # s our bytes may wait for a peer to take them
+
+
+class Gate:
+    """Listens on the public gRPC address and relays each accepted connection to `target`."""
+
+    def __init__(self, target: tuple[str, int], limits: GateLimits = GateLimits(),
+                 on_refuse: Callable[[str], None] | None = None) -> None:
+        self.target = target
+        self.limits = limits
+        self.on_refuse = on_refuse or (lambda why: None)
+        self.open: Counter[str] = Counter()  # remote address -> connections
+        self.refused: Counter[str] = Counter()
+        self._origin: dict[int, str] = {}  # our local port towards gRPC -> remote address
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def connections(self) -> int:
+        return sum(self.open.values())
+
+    def origin(self, peer: str) -> str | None:
+        """The remote address behind a call, from gRPC's `context.peer()` of the gate's own
+        connection ("ipv4:127.0.0.1:PORT"); None for a connection that bypassed the gate."""
+        port = peer.rpartition(":")[2]
+        return self._origin.get(int(port)) if port.isdigit() else None
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._accept, host, port, limit=CHUNK)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _refuse(self, why: str) -> None:
+        self.refused[why] += 1
+        self.on_refuse(why)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else "?"
+        why = (PER_ADDRESS if self.open[address] >= self.limits.per_address
+               else TOTAL if self.connections >= self.limits.total else None)
+        if why is not None:
+            self._refuse(why)
+            log.debug("gRPC connection from %s refused (%s)", address, why)
+            writer.transport.abort()
+            return
+        self.open[address] += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            await self._relay(address, reader, writer)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            self.open[address] -= 1
+            if self.open[address] <= 0:
+                del self.open[address]
+            writer.transport.abort()
+
+    async def _relay(self, address: str, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(self.limits.first_bytes):
+                first = await reader.read(CHUNK)
+        except TimeoutError:
+            self._refuse(SILENT)
+            return
+        if not first:
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self.target, limit=CHUNK)
+        for w in (writer, up_writer):
+            w.transport.set_write_buffer_limits(high=CHUNK)
+        port = int(up_writer.get_extra_info("sockname")[1])
+        self._origin[port] = address
+        try:
+            up_writer.write(first)
+            pumps = [asyncio.ensure_future(self._pump(reader, up_writer)),
+                     asyncio.ensure_future(self._pump(up_reader, writer))]
+            try:
+                done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for p in pumps:
+                    p.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+            if any(not p.cancelled() and isinstance(p.exception(), TimeoutError) for p in done):
+                self._refuse(STALLED)
+        finally:
+            self._origin.pop(port, None)
+            up_writer.transport.abort()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Until either side closes; at most CHUNK bytes waiting in each direction."""
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            async with asyncio.timeout(self.limits.stall):
+                await writer.drain()
+        with contextlib.suppress(OSError):
+            writer.write_eof()
