@@ -27,6 +27,7 @@ from moshpitd.matchmaking.grid import carried_weight
 from moshpitd.matchmaking.matchmaker import LineWatcher, Matchmaker, MatchRequest, Self
 from moshpitd.matchmaking.request import SettlePolicy
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
+from moshpitd.matchmaking.shunned import Shunned
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.metrics import Metrics
 from moshpitd.node_config import NodeConfig, ShuttingDown
@@ -78,6 +79,7 @@ class RoundRunner:
         self.deadlines = DeadlinePolicy()  # the rate it learns outlives a request
         self.settle = SettlePolicy()
         self.matchmakers: dict[str, Matchmaker] = {}  # key -> matchmaking in progress
+        self.shunned = Shunned()  # leaders that stalled us, over all keys
         self.finding: dict[str, asyncio.Future[Group]] = {}
         self.runs: dict[str, RunDirectory] = {}  # grid runs this daemon takes part in
 
@@ -205,7 +207,7 @@ class RoundRunner:
             rank_digests=request.rank_digests,
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure
-                  self.config.bandwidth or self.deadlines.link_mbit, self.me.auth)
+                  self.config.bandwidth or self.deadlines.link_mbit, self.me.auth, self.shunned)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe, self.hooks)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt

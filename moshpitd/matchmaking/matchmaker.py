@@ -28,14 +28,10 @@ from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.assembly import Action, AssemblyPolicy, Poll
 from moshpitd.matchmaking.declaration import MAX_TTL as DECLARATION_TTL
 from moshpitd.matchmaking.declaration import Candidate, Declaration
-from moshpitd.matchmaking.errors import (
-    GroupNotFound,
-    MatchmakingError,
-    NoPartners,
-    SchemaMismatch,
-)
+from moshpitd.matchmaking.errors import GroupNotFound, MatchmakingError, NoPartners, SchemaMismatch
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, JoinAdmission, not_looking
 from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
+from moshpitd.matchmaking.shunned import SHUN_SECONDS
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.matchmaking.vetting import DeclarationBook, entries_fault, shape_fault
 from moshpitd.proto import moshpit_pb2 as pb
@@ -89,7 +85,7 @@ class Matchmaker:
         self.probe = probe
         self._outside_since: dict[bytes, float] = {}
         # declared, but its daemon does not answer, or it led a group that failed our checks
-        self._dead: set[bytes] = set()
+        self._dead: set[bytes] = me.shunned.current()
         self.watcher = watcher
         self.expected = request.expected
         self.settled = True
@@ -366,8 +362,8 @@ class Matchmaker:
                     resp = await call.read()
             except TimeoutError:
                 log.info("%s: leader %s accepted us and did not assemble in time; not asking "
-                         "it again", self.req.key, leader.peer_id.hex()[:8])
-                self._dead.add(leader.peer_id)
+                         "it for %.0f s", self.req.key, leader.peer_id.hex()[:8], SHUN_SECONDS)
+                self._dead.add(self.me.shunned.add(leader.peer_id))
                 return None
             if resp is aio.EOF:
                 return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from moshpitd.matchmaking.shunned import Shunned
 from moshpitd.matchmaking.signing import PeerAuth
 
 
@@ -58,6 +59,8 @@ class Self:
     data_endpoint: str = ""
     bandwidth: float = 1.0
     auth: PeerAuth | None = None  # signs our joins and groups; a leader without one takes none
+    # leaders this daemon no longer asks, over all its requests
+    shunned: Shunned = field(default_factory=Shunned)
 
 
 # The settle time's bounds. It is learnt (SettlePolicy), but within these, which are latencies
