@@ -16,6 +16,7 @@ from moshpitd.matchmaking.admission import SLOT_MARGIN, JoinAdmission
 from moshpitd.matchmaking.declaration import Declaration
 from moshpitd.matchmaking.request import MatchRequest
 from moshpitd.matchmaking.vetting import (
+    READ_GAP,
     DeclarationBook,
     entries_fault,
     shape_fault,
@@ -119,6 +120,33 @@ def test_the_book_keeps_withdrawn_declarations_and_reads_again_when_a_check_fail
         assert await asyncio.gather(*(book.vouched(check) for _ in range(5))) == [None] * 5
         assert reads == 1
         assert await book.vouched(lambda get: "never") == "never" and reads == 2
+
+    asyncio.run(main())
+
+
+def test_a_flood_of_undeclared_joiners_costs_one_read_per_gap() -> None:
+    """Each join from a peer we hold no declaration of reads the key again: 200 of them over
+    half a second (one identity once sent 283 a second) cost a read per READ_GAP, not each
+    their own."""
+    reads = 0
+
+    async def read() -> dict[bytes, SubRecord]:
+        nonlocal reads
+        reads += 1
+        return {}
+
+    async def main() -> None:
+        book = DeclarationBook(read)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        checks = []
+        for _ in range(200):
+            checks.append(asyncio.ensure_future(book.vouched(lambda get: "unknown")))
+            await asyncio.sleep(0.0025)
+        assert await asyncio.gather(*checks) == ["unknown"] * 200
+        spent = loop.time() - began
+        assert reads <= spent / READ_GAP + 2, (reads, spent)
+        assert book.reads == reads
 
     asyncio.run(main())
 
