@@ -99,6 +99,8 @@ class Gate:
             await self._relay(address, reader, writer)
         except (OSError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:  # close(): the connection task is ours, and ends here
+            pass
         finally:
             self._tasks.discard(task)
             self.open[address] -= 1

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +28,13 @@ def run_parallel(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[A
             except Exception as exc:
                 out.append(exc)
         return out
+
+
+def scrape(daemon: Any) -> dict[str, float]:
+    """A daemon's /metrics: each sample by its name with labels, as Prometheus prints it."""
+    with urllib.request.urlopen(f"http://{daemon.info['metrics']}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([^#\s]\S*) (\S+)$", text, re.MULTILINE)}
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 0.01) -> Any:

@@ -9,9 +9,7 @@ give the exact mean with every honest member counted, never merely because a rou
 from __future__ import annotations
 
 import os
-import re
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from moshpitd.dht.records import MAX_TTL, sign, signed_bytes
 from moshpitd.identity import PeerKey, peer_id_of, verify
 from moshpitd.launcher import DaemonProcess, LocalSwarm
 from moshpitd.matchmaking.declaration import Declaration
-from tests.integration.helpers import run_parallel
+from tests.integration.helpers import run_parallel, scrape
 from tests.integration.test_grid import check_round
 
 FLOOD_KEYS = 4200  # more than the store's 4096-key cap
@@ -42,12 +40,6 @@ def swarm_key(tmp_path: Path) -> tuple[SwarmKey, list[str]]:
     path.write_bytes(secret)
     path.chmod(0o600)
     return SwarmKey(secret), ["--swarm-key-file", str(path)]
-
-
-def metrics(daemon: DaemonProcess) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{daemon.info['metrics']}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r"^([^#\s]\S*) (\S+)$", text, re.MULTILINE)}
 
 
 def rss_bytes(daemon: DaemonProcess) -> int:
@@ -130,7 +122,7 @@ def test_records_under_someone_elses_id_are_refused(
                                  time.time_ns() - 2 * 3600 * 10**9, ttl=MAX_TTL) is False
             raw.leave(addr)
     for d in swarm.daemons:  # counted; those under a daemon's own id it refuses outright
-        m = metrics(d)
+        m = scrape(d)
         others = len(victims) - 1
         assert m['moshpitd_auth_rejected_total{plane="dht_record"}'] >= 5 * others + 2, m
         assert m['moshpitd_dht_records_refused_total{reason="wrong_signer"}'] >= 4 * others, m
@@ -148,7 +140,7 @@ def test_records_under_someone_elses_id_are_refused(
         for d in swarm.daemons:
             addr = hostport(d.dht)
             genuine = raw.find_subs(addr, "round")
-            bad_before = metrics(d).get(
+            bad_before = scrape(d).get(
                 'moshpitd_dht_records_refused_total{reason="bad_signature"}', 0.0)
             others = 0
             for sk, value, version, ttl, (signed_ttl, public, signature) in genuine:
@@ -171,7 +163,7 @@ def test_records_under_someone_elses_id_are_refused(
             raw.leave(addr)
             # every alteration of another's record reached the signature check and failed it
             # (those under the daemon's own id it refuses outright)
-            bad = metrics(d)['moshpitd_dht_records_refused_total{reason="bad_signature"}']
+            bad = scrape(d)['moshpitd_dht_records_refused_total{reason="bad_signature"}']
             assert others >= 1 and bad - bad_before == 3 * others, (others, bad_before, bad)
     for d in swarm.daemons:
         assert d.alive() and "Traceback" not in d.log_path.read_text()
@@ -214,7 +206,7 @@ def test_a_flood_of_keys_neither_locks_out_new_keys_nor_grows_memory(
             assert raw.store_sub(addr, "new-key", PeerKey.generate(), b"x") is True
             raw.leave(addr)
     for d in swarm.daemons:
-        m = metrics(d)
+        m = scrape(d)
         assert m["moshpitd_dht_stored_bytes"] <= STORE_BYTES, m
         assert m["moshpitd_dht_records_evicted_total"] >= FLOOD_KEYS - STORE_BYTES // FLOOD_VALUE
         grown = rss_bytes(d) - rss_before[d.name]

@@ -38,9 +38,9 @@ from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 from moshpitd.transport.security import Security
-from tests.integration.helpers import run_parallel, wait_until
+from tests.integration.helpers import run_parallel, scrape, wait_until
 from tests.integration.test_grid import check_round
-from tests.integration.test_identity_attacks import metrics, swarm_key
+from tests.integration.test_identity_attacks import swarm_key
 
 T = TypeVar("T")
 ELEMS = 20_000
@@ -222,7 +222,7 @@ def test_a_join_flood_is_bounded(swarm: Swarm) -> None:
     third, again = asyncio.run(flood())
     assert third.code == pb.GROUP_FULL and "join_max_in_flight" in third.message, third
     assert again.code == pb.GROUP_FULL and "join_max_per_peer" in again.message, again
-    m = metrics(leader)
+    m = scrape(leader)
     assert m['moshpitd_joins_refused_total{limit="in_flight"}'] >= 1, m
     assert m['moshpitd_joins_refused_total{limit="per_peer"}'] >= 1, m
 
