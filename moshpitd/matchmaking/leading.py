@@ -31,12 +31,14 @@ log = logging.getLogger(__name__)
 # 6: declarations of format 3 (a shard host's rank digests): peers of 5 cannot read them.
 # 7: shares fill the members' slack to a common level (allreduce/spans.py): a version-6 daemon
 # would plan other spans from the same rates.
-PROTOCOL_VERSION = 7
+# 8: a GroupInfo carries every follower's signed join, and members refuse a group without them.
+PROTOCOL_VERSION = 8
 
 
 @dataclass
 class _Follower:
     request: pb.JoinRequest
+    tls_binding: bytes = b""
     outbox: asyncio.Queue[pb.JoinResponse] = field(default_factory=asyncio.Queue)
 
 
@@ -90,6 +92,8 @@ class GroupLeader:
         group = self.hooks.leading(Group(os.urandom(16), self.req.key, 0, self.req.schema_hash,
                                          tuple(members), self.req.codec))
         info = group.to_proto()
+        info.admissions.extend(pb.Admission(join=f.request, tls_binding=f.tls_binding)
+                               for f in self.followers.values())
         if self.me.auth is not None:
             self.me.auth.sign_group(info, group)
         self.accepting = False
@@ -127,13 +131,14 @@ class GroupLeader:
             yield pb.JoinResponse(code=pb.GROUP_FULL, message=slot)
             return
         try:
-            async for response in self._take_join(request):
+            async for response in self._take_join(request, tls_binding):
                 yield response
         finally:
             if admission is not None and slot is not None:
                 admission.release(slot)
 
-    async def _take_join(self, request: pb.JoinRequest) -> AsyncIterator[pb.JoinResponse]:
+    async def _take_join(self, request: pb.JoinRequest, tls_binding: bytes = b""
+                         ) -> AsyncIterator[pb.JoinResponse]:
         """A proven join: checked against its declaration, then held until the group forms."""
         reject = None
         if self.book is not None:
@@ -147,7 +152,7 @@ class GroupLeader:
         if reject is not None:
             yield reject
             return
-        follower = _Follower(request)
+        follower = _Follower(request, tls_binding)
         self.followers[request.peer_id] = follower
         self.last_join = time.monotonic()
         self._on_join()

@@ -371,7 +371,8 @@ class Matchmaker:
             resp = first
         if resp.code == pb.GROUP_ASSEMBLED:
             group = Group.from_proto(resp.group_info)
-            why = PeerAuth.check_group(resp.group_info, group, leader.peer_id)
+            why = PeerAuth.check_group(resp.group_info, group, leader.peer_id,
+                                       self.req.attempt_seconds)
             if why is None:  # signed by the leader we asked: then vet what it says
                 why = await self._vet(group)
             if why is not None:

@@ -29,7 +29,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from moshpitd.allreduce.group import Group
-from moshpitd.auth import WINDOW, AuthError, ReplayCache, timestamp_error
+from moshpitd.auth import FUTURE_SKEW, WINDOW, AuthError, ReplayCache, timestamp_error
 from moshpitd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, PeerKey, peer_id_of, verify
 from moshpitd.proto import moshpit_pb2 as pb
 
@@ -134,15 +134,45 @@ class PeerAuth:
         return info
 
     @staticmethod
-    def check_group(info: pb.GroupInfo, group: Group, leader_id: bytes) -> str | None:
-        """Why a GroupInfo is not the one `leader_id` signed as its leader, or None."""
+    def check_group(info: pb.GroupInfo, group: Group, leader_id: bytes, attempt: float
+                    ) -> str | None:
+        """Why a GroupInfo is not the one `leader_id` signed as its leader, with the signed
+        joins of its followers from the last `attempt` s, or None."""
         if not group.members or group.members[0].peer_id != leader_id:
             return "its first member is not the leader we asked"
         if peer_id_of(info.leader_public_key) != leader_id:
             return "it is not signed with the key of the leader we asked"
         if not verify(info.leader_public_key, info.signature, GROUP_DOMAIN + group.digest):
             return "the leader's signature does not verify"
-        return None
+        return admissions_fault(info, group, leader_id, attempt)
+
+
+def admissions_fault(info: pb.GroupInfo, group: Group, leader_id: bytes, attempt: float,
+                     now: float | None = None) -> str | None:
+    """Why the group lists a follower that did not ask this leader to lead it under this key,
+    as it is listed, within an attempt (`attempt` s, plus the clock skew), or None. (A peer's
+    declaration, even withdrawn, only says it was looking; its signed join says whom it
+    asked.) Costs a verification per member."""
+    if len(info.admissions) > len(group.members):
+        return "it carries more joins than members"
+    joins = {a.join.peer_id: a for a in info.admissions}
+    now = time.time() if now is None else now
+    for m in group.members[1:]:
+        a = joins.get(m.peer_id)
+        if a is None:
+            return f"member {m.peer_id.hex()[:8]} never asked this leader to lead it"
+        j = a.join
+        if (j.group_key != group.key or j.endpoint != m.endpoint or j.weight != m.weight
+                or j.client_mode != m.client_mode or j.bandwidth != m.bandwidth
+                or j.data_endpoint != m.data_endpoint):
+            return f"member {m.peer_id.hex()[:8]} is not listed as it asked to join"
+        if not attempt + WINDOW >= now - j.timestamp_ms / 1000.0 >= -FUTURE_SKEW:
+            return f"member {m.peer_id.hex()[:8]}'s join is not from this attempt"
+        if (peer_id_of(j.public_key) != m.peer_id or len(j.signature) != SIGNATURE_BYTES
+                or not verify(j.public_key, j.signature, join_bytes(j, leader_id,
+                                                                     a.tls_binding))):
+            return f"member {m.peer_id.hex()[:8]}'s join to this leader does not verify"
+    return None
 
 
 def tls_binding_of(auth_context: dict[str, list[bytes]]) -> bytes:

@@ -103,7 +103,7 @@ class Member(_message.Message):
     def __init__(self, peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., bandwidth: _Optional[float] = ..., data_endpoint: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("group_id", "group_key", "round", "schema_hash", "members", "codec", "leader_public_key", "signature")
+    __slots__ = ("group_id", "group_key", "round", "schema_hash", "members", "codec", "leader_public_key", "signature", "admissions")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class GroupInfo(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     LEADER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     group_key: str
     round: int
@@ -120,7 +121,16 @@ class GroupInfo(_message.Message):
     codec: str
     leader_public_key: bytes
     signature: bytes
-    def __init__(self, group_id: _Optional[bytes] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., schema_hash: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., codec: _Optional[str] = ..., leader_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    admissions: _containers.RepeatedCompositeFieldContainer[Admission]
+    def __init__(self, group_id: _Optional[bytes] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., schema_hash: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., codec: _Optional[str] = ..., leader_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ...) -> None: ...
+
+class Admission(_message.Message):
+    __slots__ = ("join", "tls_binding")
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    TLS_BINDING_FIELD_NUMBER: _ClassVar[int]
+    join: JoinRequest
+    tls_binding: bytes
+    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., tls_binding: _Optional[bytes] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("key", "offset", "length", "version")

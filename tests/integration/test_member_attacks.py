@@ -46,8 +46,10 @@ T = TypeVar("T")
 ELEMS = 20_000
 WHY = {  # what an honest follower logs when it leaves each altered group
     "codec": "its codec is 'int8', we asked for 'none'",
-    "bandwidth": "bandwidth differ from its declaration",
-    "phantom": "has no signed declaration under the key",
+    # its entry differs from the follower's signed join (and from its declaration)
+    "bandwidth": "is not listed as it asked to join",
+    # a member with no signed join to this leader (nor a declaration)
+    "phantom": "never asked this leader to lead it",
     "weight": "lie more than 1e+12 apart",
 }
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -15,7 +16,7 @@ from moshpitd.matchmaking.admission import JoinAdmission
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader
 from moshpitd.matchmaking.request import MatchRequest, Self
-from moshpitd.matchmaking.signing import PeerAuth
+from moshpitd.matchmaking.signing import PeerAuth, admissions_fault
 from moshpitd.proto import moshpit_pb2 as pb
 
 SCHEMA = b"\x5a" * 32
@@ -64,9 +65,56 @@ def test_joins_wake_the_owner_and_assembly_reaches_every_follower() -> None:
             done = await anext(call)
             assert done.code == pb.GROUP_ASSEMBLED and Group.from_proto(done.group_info) == group
             # signed by the leader: a follower takes it from us, and only from us
-            assert PeerAuth.check_group(done.group_info, group, ME.peer_id) is None
-            assert PeerAuth.check_group(done.group_info, group, pid(3)) is not None
+            assert PeerAuth.check_group(done.group_info, group, ME.peer_id, 5.0) is None
+            assert PeerAuth.check_group(done.group_info, group, pid(3), 5.0) is not None
         assert [m.weight for m in group.members] == [2.0, 3.0, 4.0]
+
+    asyncio.run(scenario())
+
+
+def test_a_group_must_carry_each_follower_s_own_join_to_its_leader() -> None:
+    """A leader once could list an honest peer that never joined it (the peer's declaration,
+    even withdrawn, vouched for its entry): the group stalled on it until the data plane's
+    deadline. Now every member checks that each other member signed a join to this leader,
+    under this key, as it is listed, within an attempt."""
+    async def scenario() -> None:
+        side = leader([], target=3)
+        side.open()
+        calls = [side.handle_join(join(1)), side.handle_join(join(2))]
+        for call in calls:
+            await accepted(call)
+        group = side.assemble()
+        info = (await anext(calls[0])).group_info
+        assert PeerAuth.check_group(info, group, ME.peer_id, 5.0) is None
+
+        def resigned(edit: Callable[[pb.GroupInfo], object]) -> tuple[pb.GroupInfo, Group]:
+            forged = pb.GroupInfo()
+            forged.CopyFrom(info)
+            edit(forged)
+            g = Group.from_proto(forged)
+            assert ME.auth is not None
+            return ME.auth.sign_group(forged, g), g
+
+        def why(edit: Callable[[pb.GroupInfo], object], now: float | None = None) -> str | None:
+            forged, g = resigned(edit)
+            return admissions_fault(forged, g, ME.peer_id, 5.0, now)
+
+        # peer 3 never joined: its entry, signed by the leader, is all the group has of it
+        def add_peer_3(g: pb.GroupInfo) -> None:
+            m = g.members.add()
+            m.CopyFrom(g.members[2])
+            m.peer_id = pid(3)
+        assert "never asked this leader" in str(why(add_peer_3))
+        # peer 3's join to another leader, or for another key, does not count either
+        other = join(3)
+        other.signature = PeerAuth(PEERS[3]).sign_join(join(3), pid(0)).signature
+        assert "does not verify" in str(why(lambda g: (add_peer_3(g), g.admissions.add(
+            join=other))))
+        # a member listed otherwise than it asked
+        assert "not listed as it asked" in str(why(lambda g: setattr(g.members[1], "weight",
+                                                                     9.0)))
+        # a join kept from an attempt long over
+        assert "not from this attempt" in str(why(lambda g: None, time.time() + 60.0))
 
     asyncio.run(scenario())
 
