@@ -7,17 +7,22 @@ own value where the mask is 0); the killed peer's trainer gets an error, never a
 Prints rounds completed, mean group size and p50/p95 round time.
 
     python -m bench.soak --peers 8 --rounds 50 [--json]
+
+With --attack (root: CPU cgroups), the same soak twice, beside a CPU burner and then beside an
+attacker with the same CPU quota, compared (bench/soak_attack.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,12 +35,16 @@ from bench.cli import exit_on_sigterm, positive
 from moshpitd.launcher import DaemonProcess, LocalSwarm, start_daemon
 
 ELEMENTS = 200_000
+SOAK_KEY = "soak"
+ROUND_TIMEOUT = 8.0  # s a trainer waits for its round
 
 
 @dataclass
 class Summary:
     peers: int
     rounds: int
+    complete: int = 0  # rounds where every trainer but the killed peer's got an exact result
+    wall_seconds: float = 0.0  # from the first round's start to the last one's end
     results: int = 0  # peer-rounds that returned a tensor
     failures: int = 0  # peer-rounds that raised (the killed peer's, or no group in time)
     corrupt: int = 0  # results whose values are not what their spans claim
@@ -53,6 +62,8 @@ class Summary:
         out["mean_group_size"] = float(np.mean(self.group_sizes)) if self.group_sizes else 0.0
         out["p50_seconds"] = float(np.percentile(secs, 50))
         out["p95_seconds"] = float(np.percentile(secs, 95))
+        out["wall_seconds"] = round(self.wall_seconds, 2)
+        out["complete_per_minute"] = round(self.complete / max(self.wall_seconds, 1e-9) * 60, 2)
         return out
 
 
@@ -86,13 +97,27 @@ def check(result: np.ndarray, own: int, info: moshpit.RoundInfo, peer_of: dict[s
     return None
 
 
-def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool) -> Summary:
+Observer = Callable[[list[DaemonProcess]], None]
+
+
+def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
+        extra_args: list[str] | None = None, observe: Observer | None = None,
+        timeout: float = ROUND_TIMEOUT) -> Summary:
+    """`extra_args` go to every daemon, restarted ones too; `observe` is shown the daemons
+    before every round (after the last killed one is back) and once after the last round;
+    `timeout` is each trainer's for its round."""
     rng = random.Random(seed)
     summary = Summary(peers, rounds)
-    with LocalSwarm(peers, workdir=workdir, log_level="WARNING") as swarm:
+    with LocalSwarm(peers, workdir=workdir, log_level="WARNING",
+                    extra_args=extra_args) as swarm:
         daemons: list[DaemonProcess] = list(swarm.daemons)
         restarts = [0] * peers
+        began = time.monotonic()
         for rnd in range(rounds):
+            if observe is not None:
+                observe(daemons)
+            if rnd == 0:
+                began = time.monotonic()  # (the first observe may wait for an attacker)
             peer_of = {d.info["peer_id"]: i for i, d in enumerate(daemons)}
             victim = rng.randrange(peers)
             delay = rng.uniform(0.0, 0.08)
@@ -103,7 +128,8 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool) -> Sum
                 try:
                     with moshpit.Client(daemons[i].socket, connect_timeout=5.0) as c:
                         t = torch.from_numpy(contribution(i))
-                        (out,) = c.average([t], key="soak", group_size=peers, timeout=8.0)
+                        (out,) = c.average([t], key=SOAK_KEY, group_size=peers,
+                                            timeout=timeout)
                         outcome[i] = (out.numpy(), c.last_round, time.monotonic() - began)
                 except moshpit.MoshpitError as exc:
                     outcome[i] = exc
@@ -119,6 +145,7 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool) -> Sum
                 if i != victim and not d.alive():
                     summary.crashes += 1
                     summary.problems.append(f"round {rnd}: daemon {i} died:\n{d.log_tail(20)}")
+            exact = 0
             for i, got in enumerate(outcome):
                 if isinstance(got, tuple):
                     result, info, seconds = got
@@ -126,21 +153,27 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool) -> Sum
                     if problem is not None:
                         summary.corrupt += 1
                         summary.problems.append(f"round {rnd} peer {i}: {problem}")
+                    else:
+                        exact += i != victim
                     summary.results += 1
                     summary.group_sizes.append(info.group_size)
                     summary.seconds.append(seconds)
                 else:
                     summary.failures += 1
+            summary.complete += exact == peers - 1
             # the victim comes back as a fresh daemon (new peer id) on its own socket
             restarts[victim] += 1
             alive = [d.dht for d in daemons if d.alive()][:3]
             daemons[victim] = start_daemon(f"d{victim}r{restarts[victim]}", swarm.workdir,
-                                           alive, "WARNING")
+                                           alive, "WARNING", extra_args)
             swarm.daemons.append(daemons[victim])
             if verbose:
                 sizes = [o[1].group_size if isinstance(o, tuple) else 0 for o in outcome]
                 print(f"round {rnd:3d}: killed {victim} after {delay * 1000:.0f} ms; "
                       f"group sizes {sizes}", flush=True)
+        summary.wall_seconds = time.monotonic() - began
+        if observe is not None:
+            observe(daemons)
     return summary
 
 
@@ -151,10 +184,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--workdir", type=Path, help="keep the daemons' logs here (default: a "
+                   "temporary directory, removed)")
+    g = p.add_argument_group("under attack (bench/soak_attack.py; needs root for cgroups)")
+    g.add_argument("--attack", action="store_true",
+                   help="run the soak beside a CPU burner, then beside an attacker, and compare")
+    g.add_argument("--attack-cores", type=float, default=0.5,
+                   help="CPU quota of the burner and of the attacker, in cores")
+    g.add_argument("--attacks", default="all",
+                   help="the attacker's mix: all, or comma-separated names (bench.attacks.run)")
+    g.add_argument("--slot", type=float, default=10.0, help="seconds per attack in turn")
     args = p.parse_args(argv)
     exit_on_sigterm()
-    with tempfile.TemporaryDirectory(prefix="moshpit-soak-") as tmp:
-        summary = run(args.peers, args.rounds, args.seed, Path(tmp), args.verbose)
+    with contextlib.ExitStack() as stack:
+        if args.workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="moshpit-soak-")))
+        else:
+            workdir = args.workdir
+            workdir.mkdir(parents=True)
+        if args.attack:
+            from bench import soak_attack
+            return soak_attack.main(args, workdir)
+        summary = run(args.peers, args.rounds, args.seed, workdir, args.verbose)
     report = summary.report()
     if args.json:
         print(json.dumps(report))

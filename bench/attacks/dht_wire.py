@@ -25,11 +25,12 @@ def hostport(text: str) -> tuple[str, int]:
 
 
 class RawDHT:
-    def __init__(self, swarm_key: SwarmKey | None = None, node_id: bytes | None = None) -> None:
+    def __init__(self, swarm_key: SwarmKey | None = None, node_id: bytes | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.key = swarm_key
         self.node_id = node_id or os.urandom(20)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind((host, 0))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
 
     def close(self) -> None:

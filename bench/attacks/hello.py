@@ -14,14 +14,15 @@ from moshpitd.transport.handshake import Handshake
 
 
 def hello_stream(endpoint: str, swarm: SwarmKey, keys: tuple[PeerKey, PeerKey],
-                 timeout: float = 5.0) -> socket.socket:
+                 timeout: float = 5.0, source: str = "") -> socket.socket:
     """One stream to a data plane, opened by a valid HELLO from `keys[0]` for a made-up group
-    of the two, kept open."""
+    of the two, kept open; from the address `source` if given."""
     host, port = endpoint.rsplit(":", 1)
     group = Group(os.urandom(16), "flood", 0, b"s" * 16,
                   tuple(GroupMember(k.peer_id, "", 1.0) for k in keys))
     wire, _ = Handshake(keys[0], swarm, encrypt=True).hello(group, 0, 1)
-    s = socket.create_connection((host, int(port)), timeout=timeout)
+    s = socket.create_connection((host, int(port)), timeout=timeout,
+                                 source_address=(source, 0) if source else None)
     s.sendall(HEADER.pack(HELLO, 0, 0, 1, len(wire), 0) + wire)
     return s
 
