@@ -28,6 +28,11 @@ DEPARTED_SECONDS = 60.0
 MISSES_TO_DROP = 2
 WELCOME_RATE = 5.0  # new contacts per second that get the records they should hold
 WELCOME_BURST = 50
+# Records per second handed to new contacts, over all of them: a member that shows up under
+# fresh node ids beside a key it filled with records once drew thousands of stores a second
+# to an address that never answered (each a sealed datagram, each timeout a log line)
+HANDOVER_RATE = 200.0
+HANDOVER_BURST = 1000
 ID_BYTES = 20
 OWN_ID_LOG_EVERY = 60.0  # seconds between errors about one address that holds our peer key
 OWN_ID_LOG_ADDRESSES = 64
@@ -63,6 +68,7 @@ class SubkeyProtocol(KademliaProtocol):
         self.departed: dict[bytes, float] = {}  # said goodbye -> until when we ignore it
         self._misses: dict[bytes, int] = {}  # contact -> unanswered RPCs in a row
         self._welcome_tokens = float(WELCOME_BURST)
+        self._handover_tokens = float(HANDOVER_BURST)
         self._welcome_at = time.monotonic()
         # requests naming our own node id that we did not send: another daemon holds our key
         self.own_id_elsewhere = 0
@@ -250,7 +256,13 @@ class SubkeyProtocol(KademliaProtocol):
             if self._misses[nid] < MISSES_TO_DROP:
                 return result
             del self._misses[nid]
-        return super().handle_call_response(result, node)
+            # kademlia logs a warning per dropped contact: a member answering nothing under
+            # fresh ids would write thousands a second
+            log.debug("no response from %s, removing from router", node)
+            self.router.remove_contact(node)
+            return result
+        self.welcome_if_new(node)
+        return result
 
     def closest(self, node: Node) -> list[Node]:
         """The `replicas` contacts closest to a key. kademlia's find_neighbors stops at the
@@ -269,14 +281,17 @@ class SubkeyProtocol(KademliaProtocol):
         # Handing records over costs a scan of every key: new contacts past a few per second
         # (a flood of made-up node ids) are added without it; owners refresh their records.
         now = time.monotonic()
-        self._welcome_tokens = min(WELCOME_BURST, self._welcome_tokens
-                                   + (now - self._welcome_at) * WELCOME_RATE)
-        self._welcome_at = now
-        if self._welcome_tokens < 1:
+        elapsed, self._welcome_at = now - self._welcome_at, now
+        self._welcome_tokens = min(WELCOME_BURST, self._welcome_tokens + elapsed * WELCOME_RATE)
+        self._handover_tokens = min(HANDOVER_BURST,
+                                    self._handover_tokens + elapsed * HANDOVER_RATE)
+        if self._welcome_tokens < 1 or self._handover_tokens < 1:
             self.router.add_contact(node)
             return
         self._welcome_tokens -= 1
         for key in self.storage.sub_keys():
+            if self._handover_tokens < 1:
+                break
             keynode = Node(key)
             neighbors = self.closest(keynode)
             if neighbors:
@@ -289,6 +304,9 @@ class SubkeyProtocol(KademliaProtocol):
                 for sk, (rec, ttl) in self.storage.signed(key, touch=False).items():
                     if rec.proof is None:
                         continue
+                    if self._handover_tokens < 1:
+                        break
+                    self._handover_tokens -= 1
                     task = asyncio.ensure_future(
                         self.call_store_sub(node, key, sk, rec.value, rec.version, ttl,
                                             rec.proof)

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kademlia.node import Node
 
+from moshpitd.dht.protocol import HANDOVER_BURST
 from moshpitd.dht.records import CLOCK_SKEW, sign
+from moshpitd.identity import PeerKey
 from tests.unit.dht_fakes import (
     ADDR,
     KEY,
@@ -303,3 +305,25 @@ def test_arbitrary_datagrams_never_raise(datagram: bytes) -> None:
 
 
 # --- replication to newcomers -------------------------------------------------------------------
+
+
+def test_records_handed_to_new_contacts_are_bounded_per_second() -> None:
+    """A newcomer gets the records it should now hold, but over all newcomers at most
+    HANDOVER_BURST at once and HANDOVER_RATE a second: a member that filled a key with
+    records and showed up under fresh node ids once drew thousands of stores a second to an
+    address that never answered."""
+    async def body() -> None:
+        proto = _proto(bytes([3] * 19 + [1]), transport=True)  # KEY's closest replica
+        for _ in range(300):  # a full key, every record signed by its own writer
+            proto.rpc_store_sub(ADDR, PEER_ID, *signed(PeerKey.generate(), b"d", NOW, 30.0))
+        stores = 0
+        for i in range(20):  # newcomers, each new and nearer the key than the last
+            near = bytes([3] * 18 + [3 ^ (64 - i), 0])
+            proto.welcome_if_new(Node(near, "10.0.0.9", 5000 + i))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        stores = len(proto.transport.sent)  # type: ignore[union-attr]
+        # 256 records (a full key) to each of 20 newcomers, unbounded; + what accrued meanwhile
+        assert 0 < stores <= HANDOVER_BURST + 10 < 20 * 256, stores
+
+    _in_loop(body)
