@@ -1,10 +1,12 @@
-"""From run records (bench/swarm/orchestrator.py) to numbers: every snapshot evaluated on the
-same validation set, curves, and the table's columns.
+"""From run records (bench/swarm/orchestrator.py) and the losses of their models
+(bench/swarm/evaluation.py) to numbers: curves and the table's columns.
 
 Definitions (also in docs/results.md):
+- loss at end: the held-out loss of the mean of the hosts' models at the deadline (the end
+  rule, the same for every row; bench/swarm/evaluation.py).
 - curve: snapshots are binned by time since start_at (bin = snapshot_every_s); a point is the
-  mean validation loss over the hosts that have a snapshot in the bin; the last point is the
-  mean over the hosts' `done` models (after the final sync, for moshpit).
+  mean validation loss (the 4 KB set) over the hosts that have a snapshot in the bin; the last
+  point is the mean over the hosts' models at the deadline.
 - bytes: the host's eth0 transmit counter since start_at, mean over hosts (every byte the
   host sent: DHT, matchmaking, gradients, state downloads, hivemind's daemon).
 - time to target: first crossing of the curve below the target, interpolated linearly;
@@ -26,60 +28,16 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from bench.swarm.systems import DAEMON_SYSTEMS
+from bench.swarm.evaluation import curve_events, end_key, end_paths, held_out_key
+from bench.swarm.systems import DAEMON_SYSTEMS, DDP_SYSTEMS
 
 
-def _snapshot_events(record: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Every snapshot and final model; for DDP, whose ranks hold the same model after every
-    step, only rank 0's snapshots (each rank's final model still is, to check they agree)."""
-    out = []
-    for worker in record["workers"]:
-        ddp = worker["spec"].get("ddp")
-        follower = ddp is not None and ddp["world"][0] != worker["host"]
-        for event in worker["events"]:
-            if event.get("path") and (event["event"] == "done" or
-                                      (event["event"] == "snapshot" and not follower)):
-                out.append((worker, event))
-    return out
-
-
-def _init_eval() -> None:
-    import torch
-    torch.set_num_threads(1)
-
-
-def _evaluate(path: str, model: str) -> float:
-    import torch
-
-    from bench.swarm.workload import evaluate
-    try:
-        return evaluate(torch.load(path, map_location="cpu", weights_only=True), model=model)
-    except Exception as exc:  # one bad file must not lose the whole report
-        print(f"cannot evaluate snapshot {path}: {type(exc).__name__}: {exc}", flush=True)
-        return math.nan
-
-
-def evaluate_snapshots(records: list[dict[str, Any]], procs: int = 2) -> dict[str, float]:
-    """Validation loss of every snapshot, keyed by path (evaluated after the timed runs, in
-    `procs` processes, outside every host's quota)."""
-    jobs = sorted({(e["path"], r["config"]["model"])
-                   for r in records for _, e in _snapshot_events(r)})
-    if not jobs:
-        return {}
-    if procs <= 1:
-        _init_eval()
-        return {path: _evaluate(path, model) for path, model in jobs}
-    import multiprocessing
-    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_eval) as pool:
-        losses = list(pool.map(_evaluate, [p for p, _ in jobs], [m for _, m in jobs],
-                               chunksize=4))
-    return {path: loss for (path, _), loss in zip(jobs, losses, strict=True)}
+def run_seed(record: dict[str, Any]) -> int:
+    return int(record.get("seed", record["config"].get("seed", 0)))
 
 
 def _tx_at(record: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -98,25 +56,18 @@ def bytes_per_host(record: dict[str, Any], at: float) -> float:
     return float(np.mean(per_host))
 
 
-def initial_loss(model: str, seed: int) -> float:
-    """Every host of every system starts from these weights (build_model seeds itself)."""
-    import torch
-
-    from bench.swarm.workload import build_model, evaluate
-    torch.set_num_threads(1)
-    return evaluate(build_model(model, seed).state_dict(), model=model)
-
-
 def curve(record: dict[str, Any], losses: dict[str, float]) -> list[dict[str, float]]:
+    """Validation loss against time: the initial weights at 0, each bin's mean over the hosts'
+    snapshots in it, then the mean over the hosts' models at the deadline."""
     every = record["config"]["snapshot_every_s"]
     start = record["start_at"]
     bins: dict[int, list[tuple[float, float]]] = defaultdict(list)
     final: list[tuple[float, float]] = []
-    for _, event in _snapshot_events(record):
+    for _, event in curve_events(record):
         loss = losses.get(event["path"], math.nan)
         if not math.isfinite(loss):
             continue
-        if event["event"] == "done":
+        if event["event"] == "budget":
             final.append((event["t"], loss))
         else:
             bins[round((event["t"] - start) / every)].append((event["t"], loss))
@@ -127,7 +78,7 @@ def curve(record: dict[str, Any], losses: dict[str, float]) -> list[dict[str, fl
                        float(np.mean([x for _, x in final])), len(final)))
     out = [{"t": t - start, "loss": loss, "hosts": n, "bytes": bytes_per_host(record, t)}
            for t, loss, n in points]
-    first = losses.get(f"initial:{record['config']['model']}:{record['config']['seed']}")
+    first = losses.get(f"initial:{record['config']['model']}")
     if first is not None:
         out.insert(0, {"t": 0.0, "loss": first, "hosts": record["config"]["hosts"],
                        "bytes": 0.0})
@@ -160,7 +111,7 @@ def _samples_before(events: list[dict[str, Any]], t: float) -> int:
 
 def goodput(record: dict[str, Any]) -> dict[str, float]:
     """Samples that survived into the final models, over the budget (module docstring)."""
-    ddp = record["system"] == "ddp"
+    ddp = record["system"] in DDP_SYSTEMS
     checkpoints = sorted(e["t"] for w in record["workers"] for e in w["events"]
                          if e["event"] == "checkpoint")
     processed = surviving = 0
@@ -251,11 +202,9 @@ def cpu(record: dict[str, Any]) -> dict[str, float]:
             "delayer_cpu_s": float(np.sum(span(delayer)))}
 
 
-def models_agree(record: dict[str, Any]) -> dict[str, Any]:
-    """Max |difference| between the hosts' final (`done`) models, parameter by parameter."""
+def max_abs_diff(paths: list[str]) -> dict[str, Any]:
+    """Max |difference| between the models in `paths`, parameter by parameter."""
     import torch
-    paths = [e["path"] for w in record["workers"] if w["killed_at"] is None
-             for e in w["events"] if e["event"] == "done" and e.get("path")]
     if len(paths) < 2:
         return {"hosts": len(paths), "max_abs_diff": math.nan, "agree": False}
     states = [torch.load(p, map_location="cpu", weights_only=True) for p in paths]
@@ -268,20 +217,34 @@ def models_agree(record: dict[str, Any]) -> dict[str, Any]:
     return {"hosts": len(paths), "max_abs_diff": diff, "agree": diff <= 1e-5}
 
 
+def models_agree(record: dict[str, Any]) -> dict[str, Any]:
+    """How far apart the hosts' final (`done`) models are, after a system's own final sync."""
+    return max_abs_diff([e["path"] for w in record["workers"] if w["killed_at"] is None
+                         for e in w["events"] if e["event"] == "done" and e.get("path")])
+
+
 def summarize(record: dict[str, Any], losses: dict[str, float], target: float | None
               ) -> dict[str, Any]:
     points = curve(record, losses)
     budget = record["config"]["budget_s"]
     row: dict[str, Any] = {"scenario": record["scenario"], "system": record["system"],
+                           "seed": run_seed(record),
                            "budget_s": budget, "curve": points,
                            "trainers_per_host": record.get("trainers_per_host", 1),
                            "peers": record.get("peers", record["config"]["hosts"])}
-    final = [losses.get(e["path"], math.nan) for _, e in _snapshot_events(record)
-             if e["event"] == "done"]
-    final = [x for x in final if math.isfinite(x)]
-    row["loss_end"] = float(np.mean(final)) if final else (points[-1]["loss"] if points
-                                                            else math.nan)
-    row["loss_end_from_done"] = bool(final)
+    # the end rule (bench/swarm/evaluation.py): the mean of the hosts' models at the deadline
+    # on the held-out set, for every row
+    ends = end_paths(record)
+    windows = int(record["config"].get("held_out_windows", 4096))
+    row["loss_end"] = losses.get(end_key(record), math.nan)
+    row["loss_start"] = losses.get(held_out_key(record["config"]["model"], windows), math.nan)
+    row["end_models"] = len(ends)
+    row["held_out_windows"] = windows
+    late = [float(e.get("late_s", 0.0)) for w in record["workers"] for e in w["events"]
+            if e["event"] == "budget"]
+    row["late_s_max"] = max(late) if late else math.nan
+    row["end_spread"] = (0.0 if record["system"] in DDP_SYSTEMS
+                         else max_abs_diff(ends)["max_abs_diff"])
     reached = crossing(points, target) if target is not None and points else None
     row["time_to_target"] = reached if reached is not None and reached <= budget else None
     row["bytes_to_target"] = (bytes_per_host(record, record["start_at"] + reached)
@@ -308,20 +271,21 @@ def summarize(record: dict[str, Any], losses: dict[str, float], target: float | 
 
 def against_ddp(records: list[dict[str, Any]], rows: dict[int, dict[str, Any]]) -> None:
     """Adds to each row (keyed by id of its record) its bytes sent per sample processed and,
-    where DDP ran on the same scenario, when and after how many bytes per host its curve
-    first reached the loss DDP ended at: the yardstick on scenarios where no system reaches
-    the target within the budget."""
-    ddp = {r["scenario"]: rows[id(r)] for r in records if r["system"] == "ddp"}
+    where DDP ran on the same scenario with the same seed, when and after how many bytes per
+    host its curve first reached the loss DDP's curve ended at: the yardstick on scenarios
+    where no system reaches the target within the budget."""
+    ddp = {(r["scenario"], run_seed(r)): rows[id(r)] for r in records if r["system"] == "ddp"}
     for record in records:
         row = rows[id(record)]
         hosts = record["config"]["hosts"]
         row["bytes_per_sample"] = (row["bytes_total"] * hosts / row["samples_processed"]
                                    if row["samples_processed"] else math.nan)
-        base = ddp.get(record["scenario"])
-        if base is None or not math.isfinite(base["loss_end"]):
+        base = ddp.get((record["scenario"], run_seed(record)))
+        if base is None or not base["curve"] or not math.isfinite(base["curve"][-1]["loss"]):
             continue
-        reached = crossing(row["curve"], base["loss_end"])
-        row["ddp_end_loss"] = base["loss_end"]
+        # on the curves' scale: DDP's model at the deadline on the validation windows
+        reached = crossing(row["curve"], base["curve"][-1]["loss"])
+        row["ddp_end_loss"] = base["curve"][-1]["loss"]
         row["time_to_ddp_end"] = reached
         row["bytes_to_ddp_end"] = (None if reached is None
                                    else bytes_per_host(record, record["start_at"] + reached))

@@ -6,7 +6,7 @@ system), the same RunConfig and the same event times, relative to its own `start
 host's processes (its trainers_per_host trainers and its daemons; bench/swarm/layout.py)
 live in its cgroup with an equal CPU quota; the orchestrator, the delayers and the evaluation
 run outside the quotas. What happened is written to
-`<out>/<scenario>/<system>/run.json`; bench/swarm/metrics.py turns it into numbers.
+`<out>/<scenario>/<system>/seed<seed>/run.json`; bench/swarm/metrics.py turns it into numbers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from bench.swarm.hostproc import REPO, WorkerProcess
 from bench.swarm.layout import Layout, daemon_ports
 from bench.swarm.sampler import Sampler
 from bench.swarm.scenario import Scenario
-from bench.swarm.systems import DAEMON_SYSTEMS, MODULES
+from bench.swarm.systems import DAEMON_SYSTEMS, DDP_SYSTEMS, HIVEMIND_SYSTEMS, MODULES
 from netlab import Host, Topology
 
 SYSTEMS = tuple(MODULES)
@@ -43,7 +43,7 @@ class RunConfig:
     seq_len: int = 128
     lr: float = 1e-3
     weight_decay: float = 0.1
-    seed: int = 0
+    seed: int = 0  # the data order (every run starts from the same weights)
     snapshot_every_s: float = 10.0
     checkpoint_every_s: float = 30.0  # DDP: the elastic restart resumes from the last one
     startup_s: float = 240.0  # most seconds from launch until every host is ready (not timed)
@@ -51,6 +51,8 @@ class RunConfig:
     cpu_cores: float = 0.5  # per host
     sample_every_s: float = 1.0
     trainers_per_host: int = 1  # the scenario's; all of a host's share its quota
+    held_out_windows: int = 4096  # the end models' evaluation set (workload.held_out_set)
+    knobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # system -> overrides
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -58,8 +60,13 @@ class RunConfig:
         return out
 
 
+def run_dir(out: Path, scenario: str, system: str, seed: int) -> Path:
+    """Where one run (a system on a scenario with a seed) writes its files and run.json."""
+    return out / scenario / system / f"seed{seed}"
+
+
 def python_for(system: str) -> str:
-    return str(PEERS_PYTHON) if system.startswith("hivemind") else sys.executable
+    return str(PEERS_PYTHON) if system in HIVEMIND_SYSTEMS else sys.executable
 
 
 class SystemRun:
@@ -69,7 +76,7 @@ class SystemRun:
                  say: Callable[[str], None]) -> None:
         self.topo, self.scenario, self.system, self.cfg = topo, scenario, system, cfg
         self.say = say
-        self.dir = cfg.out / scenario.name / system
+        self.dir = run_dir(cfg.out, scenario.name, system, cfg.seed)
         self.shared = self.dir / "shared"
         self.start_file = self.dir / "start_at"
         self.layout = Layout(system, cfg.hosts, cfg.trainers_per_host)
@@ -109,7 +116,10 @@ class SystemRun:
             gone = {e.host_index(cfg.hosts) for e in self.scenario.events
                     if e.kind == "preempt" and e.until is None}
             spec["knobs"] = self.layout.knobs(host, trainer, cfg.hosts - len(gone))
-        if self.system == "ddp":
+        if self.system in HIVEMIND_SYSTEMS:  # what its averager declares (hivemind_settings)
+            spec["knobs"]["bandwidth"] = self.topo.hosts[host].link.rate_mbit
+        spec["knobs"].update(cfg.knobs.get(self.system, {}))
+        if self.system in DDP_SYSTEMS:
             master = self.topo.hosts[self.ddp_world[0]].ip
             spec["ddp"] = {"world": list(self.ddp_world), "generation": self.ddp_generation,
                            "master": f"{master}:{PORT_BASE + self.ddp_generation % 10}",
@@ -182,11 +192,11 @@ class SystemRun:
         elif kind == "preempt":
             self.down.add(host)
             self._kill(host, "preempted")
-            if self.system == "ddp":
+            if self.system in DDP_SYSTEMS:
                 self._ddp_restart(f"host {host} preempted")
         elif kind == "restore":
             self.down.discard(host)
-            if self.system == "ddp":
+            if self.system in DDP_SYSTEMS:
                 self._ddp_restart(f"host {host} back")
             else:
                 if self.system in DAEMON_SYSTEMS:
@@ -241,7 +251,7 @@ class SystemRun:
             for host in self.topo.hosts:  # whatever is left (daemons of a failed start)
                 self.topo.kill_host(host)
             sampler.stop()
-        record = {"scenario": self.scenario.name, "system": self.system,
+        record = {"scenario": self.scenario.name, "system": self.system, "seed": cfg.seed,
                   "trainers_per_host": cfg.trainers_per_host, "peers": self.layout.peers,
                   "config": cfg.to_json(), "start_at": self.start_at, "end_at": self.end_at,
                   "hosts": [{"ip": h.ip, "rate_mbit": h.link.rate_mbit,

@@ -16,12 +16,16 @@ stdout carries one JSON object per line, each with "event" and "t" (time.time())
 ready {step, samples} (where it starts from), progress {step, samples, loss} about once a
 second, sync {ok, group_size, seconds} per averaging round or optimizer epoch, snapshot
 {step, samples, path} every snapshot_every_s, checkpoint {step, samples, path} (ddp rank 0),
-done {step, samples, path}, error {message}.
+budget {step, samples, path, late_s} once the budget is over (the model the host holds then,
+before any final sync: the one the table scores; late_s is how far past the deadline the step
+in flight ended), done {step, samples, path} (after the system's own final sync, if it has
+one), error {message}.
 `samples` counts the training sequences this host has processed, including those before a
-resume that survived in the checkpoint. Training runs from max(now, start) until
-start + budget_s, where start is start_at, or (start_at null) the unix time the orchestrator
-writes into start_file (atomically, by rename) once every host is ready. stderr is a
-free-form log.
+resume that survived in the checkpoint. `seed` sets the order of the data; every host of
+every system starts from the same weights, whatever the seed (workload.MODEL_SEED).
+Training runs from max(now, start) until start + budget_s, where start is start_at, or
+(start_at null) the unix time the orchestrator writes into start_file (atomically, by rename)
+once every host is ready. stderr is a free-form log.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from typing import Any
 
 import torch
 
-from bench.swarm.systems import DAEMON_SYSTEMS, MODULES
+from bench.swarm.systems import DAEMON_SYSTEMS, DDP_SYSTEMS, MODULES
 from bench.swarm.workload import (
+    MODEL_SEED,
     Batches,
     Hyper,
     build_model,
@@ -153,8 +158,8 @@ class WorkerSpec:
             raise SpecError("the spec needs start_at or start_file")
         if self.system in DAEMON_SYSTEMS and not self.ipc_socket:
             raise SpecError(f"the {self.system} system needs ipc_socket (the host's moshpitd)")
-        if self.system == "ddp" and (self.ddp is None or self.host not in self.ddp.world):
-            raise SpecError(f"the ddp system needs ddp.world holding host {self.host}")
+        if self.system in DDP_SYSTEMS and (self.ddp is None or self.host not in self.ddp.world):
+            raise SpecError(f"the {self.system} system needs ddp.world holding host {self.host}")
 
 
 class Events:
@@ -173,7 +178,7 @@ class LocalTrainer:
     def __init__(self, spec: WorkerSpec, events: Events, step: int = 0,
                  samples: int = 0) -> None:
         self.spec, self.events = spec, events
-        self.model = build_model(spec.model, spec.seed)
+        self.model = build_model(spec.model, MODEL_SEED)
         self.optimizer: torch.optim.Optimizer = make_optimizer(self.model, spec.hyper)
         self.batches = Batches(spec.batch, spec.seq_len, spec.seed, spec.host, samples,
                                spec.trainer)
@@ -227,16 +232,22 @@ class LocalTrainer:
             self._next_snapshot = now + self.spec.snapshot_every_s
             self.snapshot("snapshot")
 
-    def snapshot(self, event: str) -> Path:
+    def end_of_budget(self) -> Path:
+        """Saves the model this host holds when its training loop ends at the deadline: what
+        the benchmark scores for every system (a final sync a system runs after it is not)."""
+        return self.snapshot("budget", late_s=max(0.0, time.time() - self.deadline))
+
+    def snapshot(self, event: str, **fields: Any) -> Path:
         """torch.save of the model's state_dict under out_dir, then the event naming it."""
         self._snapshots += 1
-        name = "final.pt" if event == "done" else f"snap-{self._snapshots:04d}.pt"
+        name = {"done": "final.pt", "budget": "budget.pt"}.get(
+            event, f"snap-{self._snapshots:04d}.pt")
         path = self.spec.out_dir / name
         tmp = path.with_suffix(".tmp")
         torch.save({k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                    tmp)
         os.replace(tmp, path)
-        self.events.emit(event, step=self.step, samples=self.samples, path=str(path))
+        self.events.emit(event, step=self.step, samples=self.samples, path=str(path), **fields)
         return path
 
 

@@ -4,12 +4,17 @@
 - Tokens: bytes (vocabulary 256), so the loss is in nats per byte and the byte unigram
   entropy of the training text is the "learnt nothing" line.
 - Model: pre-norm GPT blocks, learned positions, tied input/output embedding. `build_model`
-  seeds its own generator: every host of every system starts from the same weights.
+  seeds its own generator with MODEL_SEED: every host of every system of every run starts
+  from the same weights.
 - Batches: windows at random offsets of the training bytes, from a generator seeded by
-  (seed, host, samples already seen), so hosts see different data and a resumed worker does
-  not replay its first batches.
-- Validation: VAL_WINDOWS fixed windows of the model's context from the validation files;
-  `evaluate` is deterministic and the same for every system.
+  (seed, host, samples already seen), so hosts see different data, a resumed worker does
+  not replay its first batches, and a run's seed sets its data order.
+- Validation: VAL_WINDOWS fixed windows of the model's context from the validation files
+  (4 KB), cheap enough to score every snapshot of a curve; `evaluate` is deterministic and the
+  same for every system.
+- Held out: HELD_OUT_WINDOWS disjoint windows of the validation files (256 KB of scored
+  bytes, `held_out_windows`), the same bytes for every row; the models a table scores at the
+  end of the budget are evaluated on them.
 
 `python -m bench.swarm.workload --alone --minutes 3` trains one process alone and prints how
 far below the unigram entropy it gets (the check that the workload is learnable in the time a
@@ -37,6 +42,10 @@ from bench.swarm.corpus import load_corpus, unigram_entropy
 VOCAB = 256
 VAL_WINDOWS = 64
 VAL_SEED = 20261124
+HELD_OUT_WINDOWS = 4096  # x 64 scored bytes = 256 KB
+HELD_OUT_SEED = 20261125
+MODEL_SEED = 0  # every run's initial weights, whatever its data seed
+EVAL_CHUNK = 256  # windows per forward pass when evaluating
 
 
 @dataclass(frozen=True)
@@ -187,13 +196,54 @@ def validation_windows(name: str = "small") -> torch.Tensor:
     return torch.from_numpy(data[starts[:, None] + np.arange(cfg.context + 1)].astype(np.int64))
 
 
-def evaluate(state_dict: Mapping[str, torch.Tensor], model: str = "small") -> float:
-    """Validation loss (nats per byte) of a state_dict of the preset `model`."""
+def held_out_windows(data: np.ndarray, context: int, count: int = HELD_OUT_WINDOWS,
+                     seed: int = HELD_OUT_SEED) -> np.ndarray:
+    """`count` disjoint windows of context+1 bytes of `data` (count x context+1, uint8): the
+    data cut into consecutive tiles, `count` of them drawn by a generator of its own, in
+    order. Each window scores `context` bytes, so the set scores count x context distinct
+    bytes; the same for every row of every run."""
+    width = context + 1
+    tiles = len(data) // width
+    if count > tiles:
+        raise ValueError(f"{len(data):,} bytes hold {tiles} windows of {width}, not {count}")
+    chosen = np.sort(np.random.default_rng(seed).choice(tiles, size=count, replace=False))
+    return data[chosen[:, None] * width + np.arange(width)]
+
+
+def held_out_set(name: str = "small", count: int = HELD_OUT_WINDOWS) -> torch.Tensor:
+    """The held-out windows of the validation files for a preset (int64 tensor)."""
+    cfg = model_config(name)
+    windows = held_out_windows(load_corpus().validation, cfg.context, count)
+    return torch.from_numpy(windows.astype(np.int64))
+
+
+def evaluate(state_dict: Mapping[str, torch.Tensor], model: str = "small",
+             windows: torch.Tensor | None = None) -> float:
+    """Mean loss (nats per byte) of a state_dict of the preset `model` over `windows`
+    (default: the validation windows), EVAL_CHUNK windows per forward pass."""
     net = ByteLM(model_config(model))
     net.load_state_dict(dict(state_dict))
     net.eval()
+    data = validation_windows(model) if windows is None else windows
+    total = 0.0
     with torch.no_grad():
-        return float(lm_loss(net, validation_windows(model)))
+        for chunk in torch.split(data, EVAL_CHUNK):
+            total += float(lm_loss(net, chunk)) * len(chunk)
+    return total / len(data)
+
+
+def mean_state(states: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of state_dicts of one model (its floating tensors; others are
+    taken from the first): an exact average of the hosts' models."""
+    if not states:
+        raise ValueError("no state to average")
+    out = {}
+    for name, first in states[0].items():
+        if torch.is_floating_point(first):
+            out[name] = torch.stack([s[name].double() for s in states]).mean(0).to(first.dtype)
+        else:
+            out[name] = first.clone()
+    return out
 
 
 def train_entropy() -> float:

@@ -7,8 +7,8 @@ Host 0 trains from the start; host 1 comes back as the orchestrator starts a pre
 then trains until the common end. The row is the streaming one with int4 (fragments, delay,
 error feedback: the most code of the three rows). Asserts: host 1 resumed at host 0's step
 count (not from 0), both hosts trained and took outer steps, the final outer sync and the
-parameter average gathered both hosts, and their final models are identical and better than
-the untrained one.
+parameter average gathered both hosts (after each saved the model the benchmark scores, at the
+deadline), and their final models are identical and better than the untrained one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from bench.procs import Child, Children, child_env
 from bench.swarm.corpus import CorpusNotFound, load_corpus
-from bench.swarm.metrics import initial_loss
+from bench.swarm.evaluation import initial_loss
 from bench.swarm.workload import evaluate
 from moshpitd.launcher import LocalSwarm
 
@@ -90,9 +90,12 @@ def test_diloco_worker_rejoins_from_the_global_copy_and_ends_agreed(
         final = [e for e in syncs if e.get("final")]
         # the outer step of what was left, then the average of the parameters
         assert [(e["ok"], e["group_size"]) for e in final] == [(True, 2), (True, 2)], final
+        # the model the benchmark scores is saved at the deadline, before those syncs
+        scored = next(i for i, e in enumerate(events) if e["event"] == "budget")
+        assert scored < events.index(final[0]) and events[scored]["late_s"] >= 0.0
     models = [torch.load(e["path"], map_location="cpu", weights_only=True)
               for e in (done0, done1)]
     for name, value in models[0].items():
         assert torch.equal(value, models[1][name]), name
     loss = evaluate(models[0], model="tiny")
-    assert math.isfinite(loss) and loss < initial_loss("tiny", 0) - 0.3, loss
+    assert math.isfinite(loss) and loss < initial_loss("tiny") - 0.3, loss

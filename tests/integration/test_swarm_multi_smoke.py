@@ -37,8 +37,8 @@ def test_two_trainers_per_host_one_peer_or_two(tmp_path: Path) -> None:
     for system, row in rows.items():
         assert row["trainers_per_host"] == 2
         assert row["syncs_ok"] >= 1, (system, row, stderr[-4000:])
-        assert math.isfinite(row["loss_end"]) and row["loss_end_from_done"], (system, row)
-        assert row["loss_end"] < row["curve"][0]["loss"], (system, row["curve"])
+        assert math.isfinite(row["loss_end"]) and row["end_models"] == 4, (system, row)
+        assert row["loss_end"] < row["loss_start"], (system, row["loss_end"], row["loss_start"])
         assert row["bytes_total"] > 0, (system, row)
         # every trainer's final model, identical after the final sync; a trainer starved of CPU
         # on a loaded machine can miss the others' final sync (a straggler the bench's final
@@ -48,7 +48,7 @@ def test_two_trainers_per_host_one_peer_or_two(tmp_path: Path) -> None:
     assert rows["moshpit-local"]["local_rounds_full"] >= 1, rows["moshpit-local"]
     assert "local_rounds" not in rows["moshpit-each"] or not rows["moshpit-each"]["local_rounds"]
     # each trainer trained on its own data: the host's two trainers wrote their own snapshots
-    record = json.loads((out / "multi" / "moshpit-each" / "run.json").read_text())
+    record = json.loads((out / "multi" / "moshpit-each" / "seed0" / "run.json").read_text())
     dirs = {w["spec"]["out_dir"] for w in record["workers"]}
     assert {Path(d).name for d in dirs} == {"h0-t0-g0", "h0-t1-g0", "h1-t0-g0", "h1-t1-g0"}
     assert "| moshpit-local |" in (out / "results.md").read_text()

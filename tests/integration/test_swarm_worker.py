@@ -2,9 +2,10 @@
 
 A DDP world of one on loopback (gloo, a real TCP store) exercises everything the
 orchestrator relies on without namespaces: `ready` before the start, the start read from a
-file written after it, progress, snapshots, a checkpoint in shared_dir, `done` with a final
-snapshot that evaluates; then a second worker resumes from that checkpoint and counts its
-samples from the checkpoint's value.
+file written after it, progress, snapshots, a checkpoint in shared_dir, the model at the
+deadline (`budget`), `done` with a final snapshot that evaluates; then a second worker, of the
+ddp-fp16 row (fp16_compress_hook), resumes from that checkpoint and counts its samples from
+the checkpoint's value.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def _corpus() -> None:
         pytest.skip(f"no corpus: {exc}")
 
 
-def _spec(tmp: Path, resume: str | None, budget: float) -> Path:
-    spec = {"system": "ddp", "host": 0, "hosts": 1, "host_ips": ["127.0.0.1"],
+def _spec(tmp: Path, resume: str | None, budget: float, system: str) -> Path:
+    spec = {"system": system, "host": 0, "hosts": 1, "host_ips": ["127.0.0.1"],
             "port_base": 0, "seed": 0, "model": "tiny", "batch": 4, "seq_len": 64,
             "lr": 1e-3, "weight_decay": 0.1, "budget_s": budget, "start_at": None,
             "start_file": str(tmp / "start"), "out_dir": str(tmp / "out"),
@@ -52,9 +53,10 @@ def _spec(tmp: Path, resume: str | None, budget: float) -> Path:
     return path
 
 
-def _run(tmp: Path, resume: str | None = None, budget: float = 4.0) -> list[dict[str, Any]]:
+def _run(tmp: Path, resume: str | None = None, budget: float = 4.0, system: str = "ddp"
+         ) -> list[dict[str, Any]]:
     """Runs one worker; writes the start file (atomically) once it said ready."""
-    spec = _spec(tmp, resume, budget)
+    spec = _spec(tmp, resume, budget, system)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "bench.swarm.worker", "--spec", str(spec)],
@@ -97,8 +99,12 @@ def test_ddp_worker_events_checkpoint_and_resume(tmp_path: Path) -> None:
     ckpt = next(e for e in reversed(first) if e["event"] == "checkpoint")
     assert Path(ckpt["path"]).parent == tmp_path / "shared"
     assert ckpt["samples_by_host"] == {"0": ckpt["samples"]}
-    resumed = _run(tmp_path / "g1", resume=ckpt["path"], budget=1.0)
+    budget = next(e for e in first if e["event"] == "budget")
+    assert budget["step"] == done["step"] and 0.0 <= budget["late_s"] < 2.0
+    # the resumed world is the fp16 row: the same checkpoint, gradients all-reduced in float16
+    resumed = _run(tmp_path / "g1", resume=ckpt["path"], budget=1.0, system="ddp-fp16")
     ready = resumed[0]
     assert ready["event"] == "ready"
     assert (ready["step"], ready["samples"]) == (ckpt["step"], ckpt["samples"])
     assert resumed[-1]["event"] == "done" and resumed[-1]["step"] > ckpt["step"]
+    assert any(e["event"] == "sync" and e["ok"] for e in resumed)

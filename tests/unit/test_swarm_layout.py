@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bench.swarm import metrics
-from bench.swarm.__main__ import plan_systems
 from bench.swarm.layout import Layout, daemon_ports
+from bench.swarm.plan import plan_systems
 from bench.swarm.scenario import ScenarioError, load, parse
 from bench.swarm.systems import MULTI_TRAINER_SYSTEMS, SINGLE_TRAINER_SYSTEMS, SMOKE_SYSTEMS
 from bench.swarm.worker import SpecError, WorkerSpec

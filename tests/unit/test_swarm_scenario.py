@@ -124,13 +124,25 @@ def _record(curve_losses: list[tuple[float, float]], system: str = "moshpit",
 
 def test_curve_crossing_and_bytes() -> None:
     record = _record([(10, 3.0), (20, 2.0), (30, 1.5)])
-    losses = {"10": 3.0, "20": 2.0, "30": 1.5, "initial:tiny:0": 5.0}
+    losses = {"10": 3.0, "20": 2.0, "30": 1.5, "initial:tiny": 5.0}
     points = metrics.curve(record, losses)
     assert [p["t"] for p in points] == [0, 10, 20, 30]
     assert metrics.crossing(points, 2.5) == pytest.approx(15.0)
     assert metrics.crossing(points, 1.0) is None
     assert points[2]["bytes"] == pytest.approx(40e6)  # mean of 20 % of 100 MB and 300 MB
     assert metrics.loss_at(points, 25) == pytest.approx(1.75)
+
+
+def test_the_curve_ends_on_the_models_at_the_deadline_not_after_a_final_sync() -> None:
+    start = 1000.0
+    events = [{"event": "snapshot", "t": start + 50, "path": "s"},
+              {"event": "budget", "t": start + 100.4, "path": "b", "late_s": 0.4},
+              {"event": "done", "t": start + 104, "path": "d"}]
+    record = _record([], workers=[{"host": 0, "gen": 0, "spec": {}, "killed_at": None,
+                                   "kill_reason": "", "events": events}])
+    points = metrics.curve(record, {"s": 3.0, "b": 2.0, "d": 1.0, "initial:tiny": 5.0})
+    assert [(p["t"], p["loss"]) for p in points] == [(0.0, 5.0), (50.0, 3.0),
+                                                     (pytest.approx(100.4), 2.0)]
 
 
 def test_goodput_keeps_only_what_survived() -> None:

@@ -1,4 +1,7 @@
-"""DDP: torch DistributedDataParallel over gloo, gradients all-reduced in every step.
+"""DDP: torch DistributedDataParallel over gloo, gradients all-reduced in every step. Two rows:
+`ddp` (float32 gradients, DDP's default hook) and `ddp-fp16` (torch's `fp16_compress_hook`:
+each bucket cast to float16 for the all-reduce and back, half the bytes, what a DDP user on a
+slow link turns on first).
 
 What its users do on preemption (torchrun elastic) is the orchestrator's part: it kills every
 worker of the world and restarts the survivors from the last checkpoint with a new world
@@ -6,7 +9,7 @@ worker of the world and restarts the survivors from the last checkpoint with a n
 
 Knobs (torch's defaults, nothing tuned):
 - DistributedDataParallel with its defaults (25 MB buckets: this model's gradients are one
-  bucket, all-reduced as the backward pass ends).
+  bucket, all-reduced as the backward pass ends); the comm hook is the row's (above).
 - `timeout_s` (knob, default 60): init_process_group's timeout, how long a collective waits
   for a silent peer before it fails.
 - `sync` per step: `seconds` is the time from the moment the (only, at this model's size)
@@ -35,12 +38,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    fp16_compress_hook,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.swarm.worker import Events, LocalTrainer, WorkerSpec
 
 SIOCGIFADDR = 0x8915
+HOOKS = {"ddp": allreduce_hook, "ddp-fp16": fp16_compress_hook}  # DDP's comm hook per row
 
 
 def interface_of(ip: str) -> str:
@@ -92,10 +99,12 @@ def run(spec: WorkerSpec, events: Events) -> None:
 
     # Unannotated: DDP checks the annotations against dist.GradBucket, and with
     # `from __future__ import annotations` they would be strings.
+    hook = HOOKS[spec.system]
+
     def timed_allreduce(group, bucket):  # type: ignore[no-untyped-def]
         if not launched:
             launched.append(time.perf_counter())
-        return allreduce_hook(group, bucket)  # DDP's own default: mean of the buckets
+        return hook(group, bucket)  # the mean of the buckets (in float16 for ddp-fp16)
 
     ddp.register_comm_hook(None, timed_allreduce)
     flags = dist.new_group(backend="gloo")  # its own connections: never queues behind gradients
@@ -124,6 +133,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
             save_checkpoint(spec, trainer, by_host, ddp_spec.generation)
         if stopping:
             break
+    trainer.end_of_budget()
     trainer.snapshot("done")
     dist.destroy_process_group()
 

@@ -8,35 +8,25 @@ imported. Two systems share this module:
   gradients until the swarm has processed `target_batch_size` samples, average them, and all
   take one AdamW step.
 - `hivemind-local`: `use_local_updates=True`, its local-SGD mode. Every peer steps AdamW on
-  its own gradients and the parameters are averaged once per `target_batch_size` samples.
+  its own gradients and the parameters are averaged once per `target_batch_size` samples:
+  the natural rival of the DiLoCo rows, run at their period (64 local steps per host).
 
-Knobs (spec.knobs overrides each):
-- `target_batch_size` = H x batch x τ for both modes, with `tau` (τ) the knob Moshpit SGD
-  uses as `average_every` (default 5, moshpit.Optimizer's default): one rule for every system
-  but DDP, which communicates every step by construction. So every peer communicates after
-  about τ local steps.
-- `matchmaking_time` = 3 s and `averaging_timeout` = 10 s, as hivemind's guide advises for a
-  run this size: its Optimizer docstring says "matchmaking_time=15.0, # 3-5s for small local
-  runs, 10-15s for training over the internet or with many peers", and its quickstart passes
-  `matchmaking_time=3.0, averaging_timeout=10.0`.
-- `averager_opts={"target_group_size": hosts}`, as its ALBERT example passes averager_opts with
-  a target group size: without one, a leader forms its group only when its declared
-  expiration runs out, so every round would take the whole matchmaking time even with every
-  peer there.
-- `average_state_every` = 1, `delay_state_averaging` = True, no compression, no offloading:
-  hivemind.Optimizer's constructor defaults.
+Both are set up as hivemind's guide, quickstart and ALBERT example advise for a run of this
+size: every setting, its value and the line it follows are in
+bench/swarm/systems/hivemind_settings.py (docs/results.md shows the same table). Knobs
+(spec.knobs) override them by name: `epoch_steps` (local steps per host per epoch, so
+target_batch_size = hosts x batch x epoch_steps), `lr_rule` (sqrt or none),
+`average_state_every`, `delayed_updates`, `matchmaking_time`, `averaging_timeout`,
+`request_timeout`, `target_group_size`, `fp16`; the orchestrator passes `bandwidth`, the
+host's link rate in Mbit/s from the scenario.
 
-What these settings mean here (hivemind 1.1.12's own behaviour, not the loop's): its
-TrainingStateAverager runs the averaging round and the local optimizer steps on one
-single-thread executor, so with delay_optimizer_step=False (its default without
-offload_optimizer) opt.step() waits while a round runs. At τ = 5 an epoch is a few seconds
-of compute; hivemind's docs recommend "very large batch sizes to reduce the % of time spent on
-communication".
 - The DHT listens on tcp/port_base at this host's IP. Host 0 writes its visible multiaddrs
   to shared_dir/hivemind-dht-0.json; every other host bootstraps from the hosts' files it finds
   (waiting for host 0's), then writes its own, so a returning host finds live peers.
 - A host that comes back (rejoin) calls `load_state_from_peers` before training, as hivemind's
-  docs say a joining peer should.
+  quickstart says a joining peer should.
+- At the end of the budget the host saves the model it holds (`budget`), as every system does;
+  nothing after it is scored. hivemind has no final sync of its own to run.
 
 `sync` events come from hivemind's own log lines ("Averaged gradients with N peers",
 "Averaged parameters with N peers", and their failures); `seconds` there is the time the
@@ -45,6 +35,7 @@ training loop spent inside opt.step() since the previous sync event.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import multiprocessing
@@ -53,18 +44,21 @@ import queue
 import re
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 multiprocessing.set_start_method("fork", force=True)
 
 import hivemind  # noqa: E402  (after the start method is set)
+from hivemind.compression import Float16Compression  # noqa: E402
+from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
 
+from bench.swarm.systems.hivemind_settings import settings  # noqa: E402
 from bench.swarm.worker import Events, LocalTrainer, WorkerSpec  # noqa: E402
 from bench.swarm.workload import adamw, param_groups  # noqa: E402
 
 RUN_ID = "swarm"
-TAU = 5  # moshpit.Optimizer's default average_every: the shared `tau` knob's default
 BOOTSTRAP_WAIT_S = 120.0
 _SYNC_LINES = (  # (pattern, what was averaged, ok)
     (re.compile(r"Averaged gradients with (\d+) peers"), "gradients", True),
@@ -128,24 +122,33 @@ def start_dht(spec: WorkerSpec) -> hivemind.DHT:
     return dht
 
 
+def optimizer_for(spec: WorkerSpec, trainer: LocalTrainer, dht: hivemind.DHT
+                  ) -> hivemind.Optimizer:
+    """hivemind.Optimizer as hivemind_settings.settings() says for this row and host."""
+    hyper = spec.hyper
+    chosen = settings(spec.system, spec.hosts, spec.batch, hyper.lr, spec.knobs)
+    extra: dict[str, Any] = {}
+    if chosen.fp16:
+        extra["grad_compression"] = Float16Compression()
+        extra["state_averaging_compression"] = Float16Compression()
+    if not chosen.use_local_updates:
+        # what the docstring promises for averager_opts, which 1.1.12 gives the state
+        # averager only (hivemind_settings.SETTINGS, grad_averager_factory)
+        extra["grad_averager_factory"] = functools.partial(GradientAverager,
+                                                           **chosen.averager_opts)
+    return hivemind.Optimizer(
+        dht=dht, run_id=RUN_ID, batch_size_per_step=spec.batch,
+        params=param_groups(trainer.model, hyper),
+        optimizer=lambda groups: adamw(groups, replace(hyper, lr=chosen.lr)),
+        verbose=True, **chosen.optimizer_kwargs(), **extra)
+
+
 def run(spec: WorkerSpec, events: Events) -> None:
-    local = spec.system == "hivemind-local"
     sync_log = SyncLog()
     logging.getLogger("hivemind").addHandler(sync_log)
     trainer = LocalTrainer(spec, events)
     dht = start_dht(spec)
-    hyper = spec.hyper
-    opt = hivemind.Optimizer(
-        dht=dht, run_id=RUN_ID, batch_size_per_step=spec.batch,
-        target_batch_size=int(spec.knob("target_batch_size",
-                                        spec.hosts * spec.batch * int(spec.knob("tau", TAU)))),
-        params=param_groups(trainer.model, hyper),
-        optimizer=lambda groups: adamw(groups, hyper),
-        use_local_updates=local,
-        matchmaking_time=float(spec.knob("matchmaking_time", 3.0)),
-        averaging_timeout=float(spec.knob("averaging_timeout", 10.0)),
-        averager_opts={"target_group_size": int(spec.knob("target_group_size", spec.hosts))},
-        verbose=True)
+    opt = optimizer_for(spec, trainer, dht)
     trainer.optimizer = opt  # zero_grad through hivemind's optimizer
     if spec.rejoin:
         opt.load_state_from_peers()
@@ -162,6 +165,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
             events.emit("sync", seconds=in_step, epoch=opt.local_epoch,
                         **sync_log.records.get())
             in_step = 0.0
+    trainer.end_of_budget()
     trainer.snapshot("done")
     shutdown(opt, dht)
 

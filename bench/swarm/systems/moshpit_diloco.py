@@ -37,6 +37,8 @@ Knobs per row (spec.knobs overrides each):
   (`load_state_from_peers`) before its first step, as docs/diloco.md says a joiner should.
 - No state is published while a round is in flight: the client serves one call at a time,
   so the publish, and training with it, would wait for the round.
+- At the deadline each host saves the model it holds (`budget`), the one the table scores as
+  for every system; what follows is checked, not scored.
 - After the budget: `opt.sync(min_group_size=final_group)` (an outer step of every host's
   pseudo-gradient since its last sync; pairs if the hosts cannot all meet), then one plain
   average of the parameters in the same group. DiLoCo's global copies drift apart when a
@@ -110,6 +112,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
         # publish would wait for the round (with `delay`, training would)
         if publish_steps and opt.local_step % publish_steps == 0 and not loop.pending:
             opt.publish_state()
+    trainer.end_of_budget()  # what the table scores; the final sync below is not
     final_sync(spec, opt, events)
     average_parameters(spec, trainer, client, events, timeout)
     trainer.snapshot("done")

@@ -7,16 +7,15 @@ layout.py) `moshpit-local` (the host's trainers pass local_world and are one pee
 knobs `peers`, `peer` and `local_world` say which (defaults: H, the host, None).
 
 Knobs (spec.knobs overrides each; the values below are what the benchmark uses):
-- `tau` (τ) = 5, moshpit.Optimizer's default `average_every`: a knob shared with the hivemind
-  workers, which derive their target batch from it (bench/swarm/systems/hivemind_opt.py), so
-  every local-update system averages after about τ local steps per host.
+- `tau` (τ) = 5, moshpit.Optimizer's default `average_every`.
 - `grid` = (M, 2) with M = ceil(sqrt(P)) for P peers: the paper's square grid, rule not tuned;
   peer i keeps cell (i mod M, i div M), so a host that comes back takes its old cell.
 - `timeout` = 30 s, `group_size` = 16, `min_group_size` = 2, `overlap` = False,
   `average_state` = False, `codec` = "none": moshpit.Optimizer's defaults.
-- After the budget every trainer calls `opt.sync(min_group_size=final_group)` (knob
+- At the deadline each trainer saves the model it holds (`budget`): the one the table scores,
+  as for every system. Then it calls `opt.sync(min_group_size=final_group)` (knob
   `final_group`, default H: the peers alive at the end), falling back to pairs if it cannot
-  gather them, so the hosts' final models agree.
+  gather them, so the hosts' final models agree; that sync is checked, not scored.
 - A host that comes back (rejoin) first downloads the state from its peers
   (`load_state_from_peers`), as docs/trainer.md says a joiner should; if none answers within the
   timeout it trains on from the initial model (its `rejoined` event carries the error).
@@ -92,6 +91,7 @@ def run(spec: WorkerSpec, events: Events) -> None:
     trainer.wait_for_start()
     while trainer.time_left() > 0:
         train_step(spec, trainer, opt, events)
+    trainer.end_of_budget()  # what the table scores; the final sync below is not
     final_sync(spec, opt, events)
     trainer.snapshot("done")
     opt.close()
