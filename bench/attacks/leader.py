@@ -105,7 +105,9 @@ class FakeLeader:
         self.registry.register(rnd)
         deadlines = RoundClock(20.0, 5.0, DeadlinePolicy()).allreduce(rnd.plan.wire_bytes())
         self.round = asyncio.ensure_future(rnd.run(deadlines))
-        self.assembled.set_result(self.auth.sign_group(group.to_proto(), group))
+        info = group.to_proto()  # with the joins it took, as an honest leader's carries them
+        info.admissions.extend(pb.Admission(join=r) for r in self.joins.values())
+        self.assembled.set_result(self.auth.sign_group(info, group))
 
     def _impersonate(self, group: Group) -> None:
         """Streams to each honest owner as each other honest member: a HELLO signed by our key
