@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # changes, so `make TORCH_SPEC=torch==X.Y test` on an existing .venv reinstalls torch.
 TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: all venv peers system-deps test test-unit test-integration fuzz demo bench soak lint proto clean \
+.PHONY: all venv peers system-deps test test-unit test-integration fuzz demo bench soak soak-attack lint proto clean \
 	FORCE
 
 all: test
@@ -98,6 +98,9 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) -m bench.soak --peers 8 --rounds 50
+
+soak-attack: $(STAMP)
+	$(PY) -m bench.soak --attack --peers 8 --rounds 60
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check moshpitd client tests bench demo netlab

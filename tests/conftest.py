@@ -21,6 +21,7 @@ LONGEST_FIRST = (  # seconds each took in a full run at -n 4 on 2 cores
     "tests/integration/test_demo.py",  # ~125 s
     "tests/integration/test_join.py",  # ~110 s
     "tests/integration/test_swarm_multi_smoke.py",  # ~90 s
+    "tests/integration/test_soak.py",  # ~50 s alone: the churn soak, then under attack
     "tests/integration/test_bench_allreduce_netns.py",
     "tests/integration/test_state.py",
     "tests/integration/test_netns.py",
