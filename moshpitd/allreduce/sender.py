@@ -151,6 +151,8 @@ class OwnerLink:
         if kind != RESULT:
             self.fail(f"unexpected frame kind {kind}")
             return
+        if self.ledger.closed:  # the round is over: the trainer's buffer is its own again,
+            return  # and this part stays reported as what it held at the close
         p = self.plan.parts[part]
         if aux and (aux >> self.plan.size):
             self.fail(f"result {part} names members that do not exist")

@@ -78,3 +78,16 @@ def test_finite_result_is_written(codec: str, dtype: str) -> None:
     np.testing.assert_array_equal(link.plan.view.read(part), want)
     np.testing.assert_array_equal(link.plan.view.read(Part(9, 0, 0, part.start, 0)),
                                   local[:part.start])
+
+
+def test_a_result_after_the_round_closed_is_not_written() -> None:
+    """Once the ledger closes, the trainer owns its buffer again and the part is reported as it
+    stood (mask 0 here). A result arriving between the close and the end of its stream was
+    once still written, so the buffer held an average where the mask said local values (the
+    churn soak under attack caught it: "2500.0 != 0.0 (mask 0)")."""
+    link, local = make_link("none", "float32")
+    (part,) = link.plan.by_owner[1]
+    link.ledger.closed = True
+    deliver(link, part, local[part.start:part.stop] + 1.0, 0b11)
+    assert link.ledger.mask(part.index) == 0
+    np.testing.assert_array_equal(link.plan.view.read(part), local[part.start:part.stop])
