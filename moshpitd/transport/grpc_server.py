@@ -28,11 +28,14 @@ DEFAULT_MAX_MESSAGE = 64 << 20
 # message from its length prefix, before buffering it, so a stranger cannot make the daemon
 # hold megabytes per stream (only the client side, which receives StateChunks, needs
 # max_message_bytes).
-MAX_REQUEST = 16 << 10
+MAX_REQUEST = 8 << 10
+# Partial requests are buffered whole, up to MAX_REQUEST each, on every stream: calls that
+# never finish their request held about 4 MiB more a second at 64 streams of 16 KiB, and at 16
+# of 8 KiB hold at most 128 KiB per connection (8 MiB per address).
 # Concurrent streams one HTTP/2 connection may open (a peer needs a few per round), and RPCs
 # the server runs at once over all connections (joins are bounded again, per peer id, after
 # their signature is checked: matchmaking/admission.py).
-MAX_STREAMS_PER_CONNECTION = 64
+MAX_STREAMS_PER_CONNECTION = 16
 MAX_CONCURRENT_RPCS = 2048
 # A connection with no call open this long is closed (a pool reconnects on its next call).
 IDLE_MS = 300_000

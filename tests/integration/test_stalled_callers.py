@@ -12,6 +12,7 @@ import pytest
 
 from moshpitd.launcher import LocalSwarm
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.grpc_server import MAX_STREAMS_PER_CONNECTION
 from tests.integration.h2_raw import ZeroWindowClient
 from tests.integration.helpers import scrape, wait_until
 from tests.integration.test_hostile import honest_round, rss
@@ -42,15 +43,17 @@ def grpc_address(swarm: LocalSwarm) -> tuple[str, int]:
 def test_calls_whose_caller_never_reads_are_cancelled(swarm: LocalSwarm) -> None:
     """Once, a client advertising an HTTP/2 window of 0 held every join slot of every daemon
     with 48 connections, and the handlers stayed blocked in their writes for good. Now 192
-    such calls from one address: those past its bound are refused, the rest are cancelled
-    after the write timeout, and an honest round from the same address goes through."""
+    such calls from one address (12 connections of 16): those past its bound are refused, the
+    rest are cancelled after the write timeout, and an honest round from the same address
+    goes through."""
     before = rss(swarm)
     stalled_before = refused(swarm, "write_stalled")
     request = pb.JoinRequest(group_key="nobody-here", peer_id=os.urandom(20)).SerializeToString()
-    clients = [ZeroWindowClient(grpc_address(swarm)) for _ in range(3)]
+    clients = [ZeroWindowClient(grpc_address(swarm))
+               for _ in range(192 // MAX_STREAMS_PER_CONNECTION)]
     try:
         for c in clients:
-            for _ in range(64):
+            for _ in range(MAX_STREAMS_PER_CONNECTION):
                 c.call("/moshpit.Averager/Join", request)
         wait_until(lambda: refused(swarm, "rpcs_per_address") >= 192 - CALLS_PER_ADDRESS,
                    10, "calls past the per-address bound refused")
