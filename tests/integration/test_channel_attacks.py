@@ -4,7 +4,7 @@ lacks, fail a round by flooding HELLOs, or alter a frame on the way unnoticed.
 
 Three daemons share the swarm key (so their streams are encrypted); the third is reached
 through a relay that forwards its ports and can flip a byte on the way, as an on-path attacker.
-The attackers (channel_attackers.py) hold the swarm key and peer keys of their own. A test
+The attackers (bench/attacks/) hold the swarm key and peer keys of their own. A test
 passes when every honest trainer's result is correct by the masks it reports, and the attack
 was refused or cut out; never because a round merely completed.
 """
