@@ -27,6 +27,7 @@ R = TypeVar("R", bound=wire.Message)
 # s to look for a frame the daemon wrote before it closed the connection: if there is one, it
 # already lies in our socket's receive buffer
 LAST_WORDS_WAIT = 0.05
+LAST_WORDS_FRAMES = 8  # unread replies looked through for them
 # s: the shortest socket timeout set while a deadline is not yet past (0 would make the socket
 # non-blocking, not time out)
 MIN_SOCKET_TIMEOUT = 0.001
@@ -121,12 +122,18 @@ class DaemonConnection:
             raise DaemonUnavailable(f"lost the connection to moshpitd: {exc}") from exc
 
     def _last_words(self) -> dict[str, Any] | None:
-        """A frame the daemon sent before closing, if one is waiting unread."""
-        try:
-            reply = self._read_frame(time.monotonic() + LAST_WORDS_WAIT)
-        except (OSError, MoshpitError, ValueError):
-            return None
-        return reply if reply.get("id") is None and not reply.get("ok") else None
+        """The first error the daemon sent before closing, if one waits unread: its goodbye
+        (id nil), or the refusal of the request whose follow-up (`ready`) found the socket
+        closed, which lies before the goodbye."""
+        deadline = time.monotonic() + LAST_WORDS_WAIT
+        for _ in range(LAST_WORDS_FRAMES):
+            try:
+                frame = self._read_frame(deadline)
+            except (OSError, MoshpitError, ValueError):
+                return None
+            if not frame.get("ok"):
+                return frame
+        return None
 
     def _read_frame(self, deadline: float) -> dict[str, Any]:
         head = self._recv_exact(LENGTH_PREFIX, deadline)
