@@ -21,6 +21,7 @@ from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.local.group import LocalGroups
 from moshpitd.matchmaking.admission import JoinAdmission
 from moshpitd.matchmaking.errors import DuplicateRequest
+from moshpitd.matchmaking.liveness import Liveness
 from moshpitd.matchmaking.matchmaker import (
     Matchmaker,
     not_looking,
@@ -64,12 +65,16 @@ class MoshpitNode:
         self.config = config
         self.metrics = metrics or Metrics()
         security = Security(config.swarm_key, config.tls)
+        # who answered our probes: matchmaking follows and waits for them, and their records
+        # keep their places under a key that throw-away identities flood
+        self.liveness = Liveness(self._probe)
         self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout, auth=config.swarm_key,
                            identity=config.identity,
                            storage=SubkeyStorage(max_subkeys=config.dht_max_records_per_key,
                                                  max_value_bytes=config.dht_max_value_bytes,
                                                  max_bytes=config.dht_max_bytes,
-                                                 max_per_writer=config.dht_max_records_per_peer))
+                                                 max_per_writer=config.dht_max_records_per_peer,
+                                                 protected=self._protected))
         self.pool = ChannelPool(config.max_message_bytes, security)
         self.server = AveragerServer(
             self._handle_join, self._handle_state, config.max_message_bytes, security,
@@ -146,7 +151,7 @@ class MoshpitNode:
         self._runner = RoundRunner(c, Endpoints(self.peer_id, self.grpc_endpoint,
                                                 self.data_endpoint, self.auth),
                                    self.dht, self.pool, self.registry, self.hooks, self.metrics,
-                                   self.log, self._probe, lambda: self.draining)
+                                   self.log, self.liveness, lambda: self.draining)
         self._lag_task = asyncio.create_task(self._watch_loop_lag())
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
@@ -206,6 +211,7 @@ class MoshpitNode:
             if task is not None:
                 task.cancel()
         await self.registry.stop()
+        await self.liveness.close()
         await self.server.stop(STOP_GRACE)
         await self.pool.close()
         self.dht.stop()
@@ -273,6 +279,10 @@ class MoshpitNode:
             return await self.runner.run(request, view)
         finally:
             del self._active[request.key]
+
+    def _protected(self, writer: bytes) -> bool:
+        """Records that keep their places under a full key: ours, and live peers'."""
+        return writer == self.dht.identity.peer_id or self.liveness.proven(writer)
 
     async def _probe(self, endpoint: str, peer_id: bytes) -> bool:
         """Is the peer declared at `endpoint` alive? Only its signature over our nonce says so:

@@ -24,6 +24,7 @@ from moshpitd.dht.network import DHTNode
 from moshpitd.hooks import Hooks
 from moshpitd.matchmaking.errors import GroupNotFound, NoPartners
 from moshpitd.matchmaking.grid import carried_weight
+from moshpitd.matchmaking.liveness import Liveness
 from moshpitd.matchmaking.matchmaker import LineWatcher, Matchmaker, MatchRequest, Self
 from moshpitd.matchmaking.request import SettlePolicy
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
@@ -65,7 +66,7 @@ class Endpoints:
 class RoundRunner:
     def __init__(self, config: NodeConfig, me: Endpoints, dht: DHTNode, pool: ChannelPool,
                  registry: RoundRegistry, hooks: Hooks, metrics: Metrics, rounds: RoundLog,
-                 probe: Probe, draining: Callable[[], bool]) -> None:
+                 liveness: Liveness, draining: Callable[[], bool]) -> None:
         self.config = config
         self.me = me
         self.dht = dht
@@ -74,7 +75,8 @@ class RoundRunner:
         self.hooks = hooks
         self.metrics = metrics
         self.rounds = rounds
-        self.probe = probe
+        self.liveness = liveness  # who answered our probes, over all keys
+        self.probe: Probe = liveness.ask
         self.draining = draining
         self.deadlines = DeadlinePolicy()  # the rate it learns outlives a request
         self.settle = SettlePolicy()
@@ -188,6 +190,9 @@ class RoundRunner:
             self.rounds.record(key, n, 0, 0, start, assembled, "allreduce_failed", codec)
             raise
         outcome = "ok" if result.parts_averaged == result.parts else "partial"
+        if outcome == "ok":  # every member sent its part: each lives, as a probe would show
+            for m in group.members:
+                self.liveness.vouch(m.peer_id)
         rec = self.rounds.record(key, result.group_size, result.bytes_sent,
                                  result.bytes_received, start, assembled, outcome, group.codec,
                                  result.excluded_parts)
@@ -207,7 +212,8 @@ class RoundRunner:
             rank_digests=request.rank_digests,
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure
-                  self.config.bandwidth or self.deadlines.link_mbit, self.me.auth, self.shunned)
+                  self.config.bandwidth or self.deadlines.link_mbit, self.me.auth, self.shunned,
+                  self.liveness)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe, self.hooks)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt

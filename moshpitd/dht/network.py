@@ -62,6 +62,13 @@ async def resolve(hostport: tuple[str, int]) -> list[tuple[str, int]]:
     return list(dict.fromkeys((normalise_host(str(info[4][0])), port) for info in infos))
 
 
+# Records of writers that have not proven they live (storage.protected) whose signatures one
+# read checks: a key flooded by throw-away identities would otherwise cost a signature check
+# per record per poll, many polls a second. Replicas send their latest records first, so a
+# newcomer's fresh declaration is among those checked.
+UNPROVEN_PER_READ = 64
+
+
 class DHTNode(Server):
     protocol_class = SubkeyProtocol
     protocol: SubkeyProtocol
@@ -249,6 +256,7 @@ class DHTNode(Server):
         nodes = await self._nearest(dkey)
         answers = await self._quorum([self.protocol.call_find_subs(n, dkey) for n in nodes])
         now = time.time()
+        protected, unproven = self.storage.protected, UNPROVEN_PER_READ
         for answer in answers:
             for row in answer or []:
                 if not (isinstance(row, list) and len(row) == 5):
@@ -262,6 +270,10 @@ class DHTNode(Server):
                 if held is not None and (held.version > version or (
                         held.version == version and held.value == value)):
                     continue  # older, or the record we hold as another replica sent it
+                if not protected(sk):
+                    if unproven <= 0:
+                        continue
+                    unproven -= 1
                 proof = self.verifier.check(dkey, sk, value, version, float(ttl), wire, now)
                 if proof is None or (max_ttl is not None and proof.ttl > max_ttl):
                     continue

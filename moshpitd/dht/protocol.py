@@ -19,7 +19,7 @@ from kademlia.utils import digest
 
 from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
 from moshpitd.dht.records import Proof, RecordVerifier, remaining
-from moshpitd.dht.storage import SubkeyStorage
+from moshpitd.dht.storage import StoredSub, SubkeyStorage
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,11 @@ WELCOME_BURST = 50
 HANDOVER_RATE = 200.0
 HANDOVER_BURST = 1000
 ID_BYTES = 20
+# What find_subs may answer with: a datagram, less its seal, header (21) and map (16). Each
+# row costs its bytes plus at most ROW_BYTES of msgpack framing (a list, two ints or floats,
+# three byte-string headers and the proof's list and float).
+REPLY_ROOM = MAX_DATAGRAM - OVERHEAD - 21 - 16
+ROW_BYTES = 48
 OWN_ID_LOG_EVERY = 60.0  # seconds between errors about one address that holds our peer key
 OWN_ID_LOG_ADDRESSES = 64
 # Copies of each record: the writer's own, plus one on each of the REPLICAS nodes closest to
@@ -178,9 +183,24 @@ class SubkeyProtocol(KademliaProtocol):
         if not (_is_id(nodeid) and _is_id(key)):
             raise ValueError("malformed find_subs")
         self.welcome_if_new(Node(nodeid, sender[0], sender[1]))
-        return {"subs": [[sk, s.value, s.version, ttl, s.proof.wire()]
-                         for sk, (s, ttl) in self.storage.signed(key).items()
-                         if s.proof is not None]}
+        return {"subs": self._rows_that_fit(self.storage.signed(key))}
+
+    def _rows_that_fit(self, records: dict[bytes, tuple[StoredSub, float]]) -> list[list[Any]]:
+        """As many records as one reply datagram holds: a key full of throw-away identities'
+        records is larger than that. Proven writers' first (storage.protected), then the
+        others, the latest stored first."""
+        protected = self.storage.protected
+        order = sorted(reversed(records.items()), key=lambda item: not protected(item[0]))
+        rows, room = [], REPLY_ROOM
+        for sk, (s, ttl) in order:
+            if s.proof is None:
+                continue
+            room -= ROW_BYTES + len(sk) + len(s.value) + len(s.proof.public) + \
+                len(s.proof.signature)
+            if room < 0:
+                break
+            rows.append([sk, s.value, s.version, ttl, s.proof.wire()])
+        return rows
 
     def rpc_leave(self, sender: tuple[str, int], nodeid: bytes) -> bool:
         """A draining daemon says goodbye, so we stop routing to it now rather than after

@@ -15,10 +15,13 @@ Bounds that hold against many writers, since peer keys cost nothing to make:
   read: a flood of new keys displaces the flood's own oldest keys, not the keys that live
   rounds poll, and no stranger can hold a slot against newer keys for a record's whole TTL;
 - within a key that holds `max_subkeys` records, a new writer's record displaces the record
-  stored here longest ago. Throw-away identities that fill a key thus hold it only while they
-  keep writing, not for their records' whole TTL, and honest peers, which write again every
-  round, get back in at once. (Not the lowest version: writers date their own versions, up to
-  the clock skew ahead.)
+  stored here longest ago among writers that have not proven they live (`protected`: they
+  answered this daemon's signed probe, matchmaking/liveness.py); a proven writer's record is
+  displaced only by another proven writer's, when the key holds nothing else. Throw-away
+  identities that fill a key thus churn through each other's places, hold them only while they
+  keep writing, and never push out the peers this daemon matches with. (Not the lowest
+  version: writers date their own versions, up to the clock skew ahead.) A daemon that holds a
+  key only as a replica has probed none of its writers and protects none of them.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class SubkeyStorage(IStorage):
         max_bytes: int = 64 << 20,
         max_per_writer: int = 1024,
         clock: Callable[[], float] = time.monotonic,
+        protected: Callable[[bytes], bool] = lambda writer: False,
     ) -> None:
         self.max_keys = max_keys
         self.max_subkeys = max_subkeys
@@ -74,6 +78,7 @@ class SubkeyStorage(IStorage):
         self.max_bytes = max_bytes
         self.max_per_writer = max_per_writer
         self.clock = clock
+        self.protected = protected
         self._subs: OrderedDict[bytes, dict[bytes, StoredSub]] = OrderedDict()  # LRU first
         self._per_writer: dict[bytes, int] = {}
         self._plain: dict[bytes, tuple[float, object]] = {}
@@ -91,10 +96,24 @@ class SubkeyStorage(IStorage):
         if len(value) > self.max_value_bytes or not ttl >= 0 or len(subkey) > MAX_SUBKEY:
             return False
         now = self.clock()
-        old = self._subs.get(key, {}).get(subkey)
+        bucket = self._subs.get(key, {})
+        old = bucket.get(subkey)
         if old is None or old.deadline <= now:
-            return True
+            if old is not None or len(bucket) < self.max_subkeys or \
+                    self._displaced(bucket, subkey) is not None or \
+                    any(s.deadline <= now for s in bucket.values()):
+                return True
+            self.refused_full += 1  # a key full of proven writers' records
+            return False
         return (old.version, old.deadline) < (version, now + min(float(ttl), MAX_TTL))
+
+    def _displaced(self, bucket: dict[bytes, StoredSub], writer: bytes) -> bytes | None:
+        """Whose record a new `writer` takes the place of in a full key: the one stored longest
+        ago of an unproven writer, else (a proven `writer` only) of a proven one."""
+        for subkey in bucket:
+            if not self.protected(subkey):
+                return subkey
+        return next(iter(bucket)) if self.protected(writer) else None
 
     def store_sub(self, key: bytes, subkey: bytes, value: bytes, version: int, ttl: float,
                   proof: Proof | None = None) -> bool:
@@ -112,8 +131,12 @@ class SubkeyStorage(IStorage):
                 self.refused_full += 1
                 return False
         if old is None and bucket is not None and len(bucket) >= self.max_subkeys:
+            displaced = self._displaced(bucket, subkey)
+            if displaced is None:
+                self.refused_full += 1
+                return False
             self.evicted += 1
-            self._drop(key, [next(iter(bucket))])  # stored here longest ago
+            self._drop(key, [displaced])
             bucket = self._subs.get(key)
         grow = record_cost(subkey, value) - (record_cost(subkey, old.value) if old else 0)
         grow += KEY_COST if bucket is None else 0

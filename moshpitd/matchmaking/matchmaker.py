@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from grpc import aio
@@ -30,14 +29,13 @@ from moshpitd.matchmaking.declaration import MAX_TTL as DECLARATION_TTL
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.errors import GroupNotFound, MatchmakingError, NoPartners, SchemaMismatch
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, JoinAdmission, not_looking
+from moshpitd.matchmaking.liveness import Probe, Vitals
 from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
 from moshpitd.matchmaking.shunned import SHUN_SECONDS
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.matchmaking.vetting import DeclarationBook, entries_fault, shape_fault
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
-
-Probe = Callable[[str, bytes], Awaitable[bool]]
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +60,6 @@ async def wait_background() -> None:
 MIN_POLL = 0.02  # s
 MAX_POLL = 0.5  # s
 POLL_BACKOFF = 1.5
-# A declared peer this long outside our group gets asked whether it lives: a live one has
-# joined someone within a few polls of declaring; a killed one's declaration outlives it.
-STRAGGLER_PROBE = 0.3  # s
 # How soon to ask again a leader that turned us away: a refusal may be momentary.
 RETRY_ASK = 0.25  # s
 # No new attempt with less than this left: declaring alone takes longer.
@@ -82,10 +77,9 @@ class Matchmaker:
                  watcher: LineWatcher | None = None, probe: Probe | None = None,
                  hooks: Hooks = NO_HOOKS) -> None:
         self.me = me
-        self.probe = probe
-        self._outside_since: dict[bytes, float] = {}
         # declared, but its daemon does not answer, or it led a group that failed our checks
         self._dead: set[bytes] = me.shunned.current()
+        self.vitals = Vitals(request.key, self._dead, me.liveness, probe)
         self.watcher = watcher
         self.expected = request.expected
         self.settled = True
@@ -127,6 +121,10 @@ class Matchmaker:
     # --- the whole search ---------------------------------------------------------------------
     async def find_group(self, timeout: float) -> Group:
         final = time.monotonic() + timeout
+        with self.vitals.waking(self._wake.set):
+            return await self._search(final, timeout)
+
+    async def _search(self, final: float, timeout: float) -> Group:
         attempts = 0
         while time.monotonic() < final - MIN_ATTEMPT:
             attempts += 1
@@ -189,8 +187,9 @@ class Matchmaker:
             now = time.monotonic()
             # woken by a joiner, only our group changed: the DHT is read at the poll's timeout
             candidates, line = read = read or await self._read()
-            if self.probe is not None and self.leading.followers:
-                await self._probe_stragglers(candidates, now)
+            candidates = self.vitals.proven(candidates, self.leading.followers)
+            if self.leading.followers:
+                await self.vitals.probe_stragglers(candidates, self.leading.followers, now)
             candidates = [c for c in candidates if c.peer_id not in self._dead]
             if line is not None:
                 # a line-mate found dead (its declaration outlives it) is not waited for
@@ -284,28 +283,6 @@ class Matchmaker:
         if why is None:
             why = await self.book.vouched(lambda get: entries_fault(group, self.req, get))
         return why
-
-    async def _probe_stragglers(self, candidates: list[Candidate], now: float) -> None:
-        """A killed daemon's declaration outlives it (until its TTL): a leader would wait for
-        it until the deadline. Ask peers that stay outside once whether they live."""
-        assert self.probe is not None
-        ask = []
-        for c in candidates:
-            if (c.peer_id in self.leading.followers or c.peer_id in self._dead
-                    or c.declaration.client_mode):  # client-mode peers take no calls
-                continue
-            since = self._outside_since.setdefault(c.peer_id, now)
-            if now - since >= STRAGGLER_PROBE:
-                self._outside_since[c.peer_id] = math.inf  # once per request
-                ask.append(c)
-        if ask:
-            probes = (self.probe(c.declaration.endpoint, c.peer_id) for c in ask)
-            alive = await asyncio.gather(*probes)
-            for c, ok in zip(ask, alive, strict=True):
-                if not ok:
-                    log.info("%s: declared peer %s does not answer: not waiting for it",
-                             self.req.key, c.peer_id.hex()[:8])
-                    self._dead.add(c.peer_id)
 
     # --- following --------------------------------------------------------------------------
     async def _follow(self, leader: Candidate, final: float) -> Group | None:

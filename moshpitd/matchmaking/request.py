@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from moshpitd.matchmaking.liveness import Liveness
 from moshpitd.matchmaking.shunned import Shunned
 from moshpitd.matchmaking.signing import PeerAuth
 
@@ -61,6 +62,8 @@ class Self:
     auth: PeerAuth | None = None  # signs our joins and groups; a leader without one takes none
     # leaders this daemon no longer asks, over all its requests
     shunned: Shunned = field(default_factory=Shunned)
+    # who answered our probes lately, over all requests (None: follow any declared peer)
+    liveness: Liveness | None = None
 
 
 # The settle time's bounds. It is learnt (SettlePolicy), but within these, which are latencies

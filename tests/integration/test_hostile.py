@@ -149,3 +149,61 @@ def test_two_run_records_cannot_hang_a_daemon(swarm: LocalSwarm) -> None:
         assert time.monotonic() - began < 5
         assert c.status()["status"]["peer_id"] == swarm.daemons[0].info["peer_id"]
     assert swarm.daemons[0].alive()
+
+
+def test_throw_away_declarations_neither_lead_nor_hold_honest_peers(swarm: LocalSwarm) -> None:
+    """Attack 7, the cheaper stall: a key holder floods the honest key with declarations of
+    throw-away identities, dated 5 s back so they rank before every honest peer, at a tarpit
+    (it takes the connection and never answers) and at a closed port. Before, each honest peer
+    asked them to lead one after the other, a second each, and their records pushed the honest
+    ones out of the key. Now a peer follows and waits for declared peers only once they signed
+    its probe, and proven writers keep their places in a full key: the honest round gives the
+    exact mean within a few seconds while the flood goes on."""
+    import socket
+    import threading
+
+    from bench.attacks.dht_wire import RawDHT, hostport
+    from moshpitd.identity import PeerKey
+    from moshpitd.matchmaking.declaration import Declaration
+
+    key = "flooded"
+    honest_round(swarm, key)  # the two prove each other; their withdrawn records name the schema
+    tarpit = socket.create_server(("127.0.0.1", 0), backlog=1024)  # never accepts
+    with socket.create_server(("127.0.0.1", 0)) as closed:  # a port where nothing listens
+        fakes = [f"127.0.0.1:{s.getsockname()[1]}" for s in (tarpit, closed)]
+    stop = threading.Event()
+    sent = [0]
+    with RawDHT() as raw:
+        rows = raw.find_subs(hostport(swarm.daemons[0].dht), key)
+        found = [Declaration.unpack(row[1]) for row in rows]
+        schema = next(d.schema_hash for d in found if d is not None)
+        raw.sock.setblocking(False)
+
+        def flood() -> None:
+            while not stop.is_set():
+                version = time.time_ns() - 5_000_000_000
+                for d in swarm.daemons:
+                    for where in fakes:
+                        value = Declaration(where, schema, data_endpoint=where).pack()
+                        try:
+                            raw.store_sub(hostport(d.dht), key, PeerKey.generate(), value,
+                                          version, 60.0, send_only=True)
+                            sent[0] += 1
+                        except OSError:
+                            pass
+                stop.wait(0.004)  # about 1000 records a second to the two daemons
+
+        attacker = threading.Thread(target=flood, daemon=True)
+        attacker.start()
+        try:
+            while sent[0] < 600:  # more than a key holds (256): the key is full of them
+                time.sleep(0.05)
+            began = time.monotonic()
+            honest_round(swarm, key)
+            took = time.monotonic() - began
+        finally:
+            stop.set()
+            attacker.join(5)
+            tarpit.close()
+    assert took < 5.0, took
+    assert all(d.alive() for d in swarm.daemons)

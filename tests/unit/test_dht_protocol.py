@@ -55,6 +55,28 @@ def test_store_sub_then_find_subs() -> None:
     assert proto.rpc_find_subs(ADDR, PEER_ID, b"\x09" * 20) == {"subs": []}
 
 
+def test_find_subs_answers_what_one_datagram_holds_proven_writers_first() -> None:
+    """A key holds 256 records of up to 1 KiB: more than a reply datagram, which was then not
+    sent at all (the asker saw nothing of the key). Now the reply takes proven writers'
+    records first, then the latest stored, up to what fits."""
+    from moshpitd.auth import OVERHEAD
+    from moshpitd.dht.protocol import MAX_DATAGRAM
+
+    proto = _proto()
+    writers = [PeerKey.generate() for _ in range(120)]
+    proven = {writers[3].peer_id, writers[70].peer_id}
+    proto.storage.protected = proven.__contains__
+    for w in writers:
+        assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(w, b"v" * 900, NOW, 30.0))
+    rows = proto.rpc_find_subs(ADDR, PEER_ID, KEY)["subs"]
+    reply = b"\x01" + b"\x00" * 20 + umsgpack.packb({"subs": rows})
+    assert len(reply) <= MAX_DATAGRAM - OVERHEAD
+    assert 40 < len(rows) < len(writers)
+    assert {r[0] for r in rows[:2]} == proven
+    latest = [w.peer_id for w in reversed(writers) if w.peer_id not in proven]
+    assert [r[0] for r in rows[2:]] == latest[:len(rows) - 2]
+
+
 def test_store_sub_merges_by_version() -> None:
     proto = _proto()
     new = signed(WRITER_A, b"new", NOW + 5, 30.0)

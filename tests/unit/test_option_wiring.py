@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from moshpitd.config import load
+from moshpitd.matchmaking.liveness import Liveness
 from moshpitd.node import MoshpitNode
 from moshpitd.node_config import NodeConfig
 from moshpitd.runner import Endpoints, RoundRunner
@@ -20,7 +21,7 @@ def build(config: NodeConfig) -> tuple[MoshpitNode, RoundRunner]:
 
     runner = RoundRunner(config, Endpoints(b"\x01" * 20, "127.0.0.1:1", "127.0.0.1:2"),
                          node.dht, node.pool, node.registry, node.hooks, node.metrics, node.log,
-                         probe, lambda: False)
+                         Liveness(probe), lambda: False)
     return node, runner
 
 

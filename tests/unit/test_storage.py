@@ -180,6 +180,32 @@ def test_a_full_key_takes_a_new_writer_in_place_of_the_longest_stored(
     assert b"\x42" in s.get_subs(KEY)
 
 
+def test_proven_writers_keep_their_places_in_a_key_flooded_by_unproven_ones(
+        clock: FakeClock) -> None:
+    """Writers that answered our probe (`protected`) are displaced only by each other: a flood
+    of throw-away identities churns through the other places, and once every place is a
+    proven writer's, an unproven newcomer is refused (before its signature is checked)."""
+    proven = {b"h1", b"h2"}
+    s = SubkeyStorage(max_subkeys=3, clock=clock, protected=proven.__contains__)
+    assert s.store_sub(KEY, b"h1", b"v", 1, 10.0)
+    assert s.store_sub(KEY, b"x0", b"v", 1, 10.0)
+    assert s.store_sub(KEY, b"h2", b"v", 1, 10.0)
+    for i in range(1, 50):  # the flood: each new identity takes the last unproven place
+        assert s.store_sub(KEY, b"x%d" % i, b"v", 1, 600.0)
+        assert set(s.get_subs(KEY)) == {b"h1", b"h2", b"x%d" % i}
+    proven.add(b"h3")  # a proven newcomer displaces the unproven record
+    assert s.store_sub(KEY, b"h3", b"v", 1, 10.0)
+    assert set(s.get_subs(KEY)) == {b"h1", b"h2", b"h3"}
+    assert not s.admissible(KEY, b"x99", b"v", 1, 10.0) and s.refused_full == 1
+    assert not s.store_sub(KEY, b"x99", b"v", 1, 10.0) and s.refused_full == 2
+    proven.add(b"h4")  # all proven: the one stored longest ago goes
+    assert s.store_sub(KEY, b"h4", b"v", 1, 10.0)
+    assert set(s.get_subs(KEY)) == {b"h2", b"h3", b"h4"}
+    clock.advance(11.0)  # expired records make room for anyone
+    assert s.admissible(KEY, b"x99", b"v", 1, 10.0)
+    assert s.store_sub(KEY, b"x99", b"v", 1, 10.0)
+
+
 def test_subkey_cap_is_per_key(clock: FakeClock) -> None:
     s = SubkeyStorage(max_subkeys=1, clock=clock)
     assert s.store_sub(b"a" * 20, b"p", b"v", 1, 10.0)
