@@ -21,6 +21,7 @@ import os
 import stat
 import struct
 import time
+from collections.abc import Callable
 
 WINDOW = 30.0  # seconds a message may be late: delivery delay plus a slow sender's clock
 # Seconds a message may be dated ahead of our clock. Its nonce must be kept until its date
@@ -34,6 +35,10 @@ MAX_REPLAY_ENTRIES = 200_000
 # One sender's share of a cache: a sender that fills its own share is refused, and everyone
 # else's messages still fit.
 REPLAY_SENDER_SHARE = 1 / 16
+# One group of senders' share (the DHT's: every port of one address), loose, since peers behind
+# one NAT, and every daemon of a test on 127.0.0.1, share an address. One machine has 64k
+# ports: without it, 32 of them filled a cache and the daemon refused every datagram.
+REPLAY_GROUP_SHARE = 1 / 4
 
 
 class AuthError(Exception):
@@ -63,10 +68,16 @@ class ReplayCache:
     until their nonces expire: at most WINDOW + FUTURE_SKEW seconds."""
 
     def __init__(self, window: float = WINDOW, max_entries: int = MAX_REPLAY_ENTRIES,
-                 per_sender: int | None = None) -> None:
+                 per_sender: int | None = None,
+                 group_of: Callable[[object], object] | None = None) -> None:
+        """`group_of`: the group a sender belongs to (its address, for a sender that is an
+        address and port), held to REPLAY_GROUP_SHARE of the total; None: no groups."""
         self.window = window
         self.max_entries = max_entries
         self.per_sender = per_sender or max(1, int(max_entries * REPLAY_SENDER_SHARE))
+        self.group_of = group_of
+        self.per_group = max(1, int(max_entries * REPLAY_GROUP_SHARE))
+        self._by_group: dict[object, int] = {}
         self._seen: dict[bytes, tuple[int, object]] = {}  # nonce -> (bucket, sender)
         self._buckets: dict[int, list[bytes]] = {}  # second when forgotten -> nonces
         self._swept = -1  # every bucket up to this second is gone
@@ -91,11 +102,9 @@ class ReplayCache:
     def _drop(self, bucket: int) -> None:
         for nonce in self._buckets.pop(bucket, ()):
             _, sender = self._seen.pop(nonce)
-            left = self._by_sender[sender] - 1
-            if left:
-                self._by_sender[sender] = left
-            else:
-                del self._by_sender[sender]
+            _uncount(self._by_sender, sender)
+            if self.group_of is not None:
+                _uncount(self._by_group, self.group_of(sender))
 
     def check(self, nonce: bytes, sent: float, now: float, sender: object = None) -> None:
         """Refuses a replay, or a message that does not fit; else remembers its nonce.
@@ -110,12 +119,26 @@ class ReplayCache:
         if sender is not None and self._by_sender.get(sender, 0) >= self.per_sender:
             self.refused_full += 1
             raise AuthError("too many messages from this sender within the replay window")
+        group = None if self.group_of is None or sender is None else self.group_of(sender)
+        if group is not None:
+            if self._by_group.get(group, 0) >= self.per_group:
+                self.refused_full += 1
+                raise AuthError("too many messages from this address within the replay window")
+            self._by_group[group] = self._by_group.get(group, 0) + 1
         # forgotten in the first whole second after its date leaves the window (never early),
         # and never before the next sweep: a message dated far back still waits one second
         bucket = max(int(sent + self.window) + 1, self._swept + 1)
         self._seen[nonce] = (bucket, sender)
         self._buckets.setdefault(bucket, []).append(nonce)
         self._by_sender[sender] = self._by_sender.get(sender, 0) + 1
+
+
+def _uncount(counts: dict[object, int], who: object) -> None:
+    left = counts.get(who, 0) - 1
+    if left > 0:
+        counts[who] = left
+    else:
+        counts.pop(who, None)
 
 
 class SwarmKey:

@@ -49,6 +49,10 @@ OWN_ID_LOG_ADDRESSES = 64
 REPLICAS = 3
 
 
+def _address(sender: object) -> object:
+    return sender[0] if isinstance(sender, tuple) else sender
+
+
 def _is_id(value: object) -> bool:
     return isinstance(value, bytes) and len(value) == ID_BYTES
 
@@ -66,7 +70,7 @@ class SubkeyProtocol(KademliaProtocol):
         self._wait_timeout = wait_timeout
         self.auth = auth
         self.verifier = verifier or RecordVerifier()
-        self.replay = ReplayCache()
+        self.replay = ReplayCache(group_of=_address)  # a sender: (address, port)
         self.malformed = 0
         # (direction, rpc, result) -> count, read by the metrics collector at scrape time
         self.rpcs: Counter[tuple[str, str, str]] = Counter()

@@ -114,6 +114,28 @@ def test_one_sender_filling_its_share_leaves_room_for_the_others() -> None:
     assert len(cache) == 1  # every nonce dated 100.0 left with its window
 
 
+def test_many_ports_of_one_address_fill_only_that_address_s_share() -> None:
+    """A sender is an address and port; one machine has thousands of ports. Once 32 ports of
+    one address filled a daemon's whole DHT cache, and it refused every datagram. Now an
+    address holds a quarter of the cache, whatever its ports."""
+    cache = ReplayCache(max_entries=64, per_sender=16, group_of=lambda s: s[0])
+    refused = 0
+    for port in range(32):
+        for i in range(16):
+            try:
+                cache.check(b"%d-%d" % (port, i), 100.0, 100.0, ("10.0.0.66", port))
+            except AuthError as exc:
+                assert "from this address" in str(exc)
+                refused += 1
+    assert len(cache) == 16 and refused == 32 * 16 - 16
+    for port in range(3):  # the other addresses fill the rest
+        for i in range(16):
+            cache.check(b"h%d-%d" % (port, i), 100.0, 100.0, (f"10.0.0.{port}", 7000))
+    assert len(cache) == 64
+    cache.check(b"late", 131.5, 131.5, ("10.0.0.66", 5))  # the flood's nonces left: room again
+    assert len(cache) == 1
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.floats(-40, 6), st.floats(0, 3),
                           st.sampled_from(["a", "b", None])), max_size=120))
