@@ -190,8 +190,10 @@ class RoundRunner:
             self.rounds.record(key, n, 0, 0, start, assembled, "allreduce_failed", codec)
             raise
         outcome = "ok" if result.parts_averaged == result.parts else "partial"
-        if outcome == "ok":  # every member sent its part: each lives, as a probe would show
-            for m in group.members:
+        for i, m in enumerate(group.members):  # a member that sent its part lives, as a
+            if result.excluded >> i & 1:  # probe would show; one we excluded must prove it again
+                self.liveness.unprove(m.peer_id)
+            elif outcome == "ok":
                 self.liveness.vouch(m.peer_id)
         rec = self.rounds.record(key, result.group_size, result.bytes_sent,
                                  result.bytes_received, start, assembled, outcome, group.codec,

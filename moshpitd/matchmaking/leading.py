@@ -149,6 +149,8 @@ class GroupLeader:
                 reject = pb.JoinResponse(code=pb.BAD_REQUEST, message=f"refused: {why}")
             else:  # we may have assembled or left while reading the DHT
                 reject = self._check_join(request)
+        if reject is None:
+            reject = await self._check_alive(request)
         if reject is not None:
             yield reject
             return
@@ -199,6 +201,21 @@ class GroupLeader:
         if why is not None:
             return no(pb.BAD_REQUEST, f"with this peer's weight, the group's {why}")
         return None
+
+    async def _check_alive(self, request: pb.JoinRequest) -> pb.JoinResponse | None:
+        """A joiner we have not heard from lately must answer a probe at the endpoint it
+        declared: one that never will (a ghost that joins and sends nothing) is refused
+        before it holds a place in a group. Once per peer (Liveness remembers); client-mode
+        peers take no calls and are taken as they come."""
+        live = self.me.liveness
+        if live is None or request.client_mode or live.proven(request.peer_id):
+            return None
+        if live.failed(request.peer_id) or not await live.ask(request.endpoint,
+                                                               request.peer_id):
+            return pb.JoinResponse(code=pb.BAD_REQUEST, message=(
+                f"refused: no signed answer to our probe at {request.endpoint[:64]}, the "
+                "endpoint this peer declared"))
+        return self._check_join(request)  # we may have assembled or left meanwhile
 
     def _check_identity(self, request: pb.JoinRequest, tls_binding: bytes
                         ) -> pb.JoinResponse | None:

@@ -65,6 +65,11 @@ class Liveness:
         _put(self._proven, peer_id, self.clock() + self.proven_seconds, self.capacity)
         self._failed.pop(peer_id, None)
 
+    def unprove(self, peer_id: bytes) -> None:
+        """`peer_id` let a round down (we excluded its part): probe it again before we count on
+        it. A live peer answers at once; one that never sends data need not."""
+        self._proven.pop(peer_id, None)
+
     def check(self, peers: Iterable[tuple[bytes, str]]) -> None:
         """Probe, in the background, each (peer id, endpoint) neither proven nor failed lately
         nor being probed, in the order given, while fewer than MAX_IN_FLIGHT are out."""

@@ -146,35 +146,41 @@ def test_followers_leave_a_group_their_leader_altered(
         assert d.alive() and "Traceback" not in d.log_path.read_text()
 
 
-def ghost_declaration(schema: bytes) -> bytes:
-    return Declaration("127.0.0.1:9", schema, data_endpoint="127.0.0.1:9").pack()
+def ghost_declaration(schema: bytes, client_mode: bool = False) -> bytes:
+    return Declaration("127.0.0.1:9", schema, client_mode,
+                       data_endpoint="127.0.0.1:9").pack()
 
 
 def ghost_join(pool: ChannelPool, endpoint: str, key: str, ghost: PeerKey, schema: bytes,
-               leader: bytes) -> Any:
+               leader: bytes, client_mode: bool = False) -> Any:
     """A Join as the ghost declared itself (endpoints where nothing listens), signed by its
     own key for `leader`: the identity is the ghost's, only its endpoints are empty."""
     return pool.join(endpoint, PeerAuth(ghost).sign_join(pb.JoinRequest(
         group_key=key, peer_id=ghost.peer_id, endpoint="127.0.0.1:9", schema_hash=schema,
         weight=1.0, protocol_version=PROTOCOL_VERSION, data_endpoint="127.0.0.1:9",
-        bandwidth=1.0, codec="none"), leader), timeout=30)
+        bandwidth=1.0, codec="none", client_mode=client_mode), leader), timeout=30)
 
 
 def test_a_join_flood_is_bounded(swarm: Swarm) -> None:
     """Attack 3, its bounds. d1 averages under two keys. Under the first, ten joins under
-    made-up peer ids are refused: none declared itself. Under the second, ghosts that did
-    declare, signed, with endpoints where nothing listens: d1 holds two of their joins
-    (join_max_in_flight=2, over all keys), refuses a third ghost, and refuses a second join
-    from one ghost (join_max_per_peer=1). Once the ghosts hang up, the honest peers average
-    under the first key, exactly, among themselves."""
+    made-up peer ids are refused: none declared itself; so is a ghost that declared itself at
+    endpoints where nothing listens, since it does not answer d1's probe. Under the second,
+    ghosts that declared themselves in client mode (which takes no calls, so no probe): d1
+    holds two of their joins (join_max_in_flight=2, over all keys), refuses a third ghost,
+    and refuses a second join from one ghost (join_max_per_peer=1). Once the ghosts hang
+    up, the honest peers average under the first key, exactly, among themselves."""
     s, key, _ = swarm
     round_key, hold_key = "join-flood", "join-hold"
     schema = schema_hash([TensorSpec("float32", (ELEMS,), 0)], encrypted=True)  # a swarm key
     ghosts = [PeerKey.generate() for _ in range(3)]
+    unreachable = PeerKey.generate()
     with RawDHT(key) as raw:
         for d in s.daemons:
             for g in ghosts:
-                assert raw.store_sub(hostport(d.dht), hold_key, g, ghost_declaration(schema))
+                assert raw.store_sub(hostport(d.dht), hold_key, g,
+                                     ghost_declaration(schema, client_mode=True))
+            assert raw.store_sub(hostport(d.dht), round_key, unreachable,
+                                 ghost_declaration(schema))
             raw.leave(hostport(d.dht))
     leader = s.daemons[1]
     honest = [1, 2, 3]
@@ -206,12 +212,15 @@ def test_a_join_flood_is_bounded(swarm: Swarm) -> None:
                 answer = await call.read()
                 assert answer.code == pb.BAD_REQUEST, answer
                 assert "no signed declaration" in answer.message, answer
+            answer = await ghost_join(pool, endpoint, round_key, unreachable, schema,
+                                      lead).read()
+            assert answer.code == pb.BAD_REQUEST and "probe" in answer.message, answer
             for g in ghosts[:2]:
-                held.append(ghost_join(pool, endpoint, hold_key, g, schema, lead))
+                held.append(ghost_join(pool, endpoint, hold_key, g, schema, lead, True))
                 assert (await held[-1].read()).code == pb.ACCEPTED
             # a third ghost; then a second join from a held ghost, under the other key (under
             # the same key it is a DUPLICATE_PEER, refused before it takes a slot)
-            return [await ghost_join(pool, endpoint, k, peer, schema, lead).read()
+            return [await ghost_join(pool, endpoint, k, peer, schema, lead, True).read()
                     for k, peer in ((hold_key, ghosts[2]), (round_key, ghosts[0]))]
         finally:
             for call in held:

@@ -106,3 +106,10 @@ def test_a_request_follows_and_waits_only_for_proven_peers() -> None:
 def test_without_liveness_every_candidate_counts() -> None:
     cands = [candidate(1, 5), candidate(2, 6)]
     assert Vitals("k", set(), None, None).proven(cands, followers=()) == cands
+
+
+def test_a_member_we_excluded_must_answer_again() -> None:
+    live = Liveness(GatedProbe(set()))
+    live.vouch(pid(1))
+    live.unprove(pid(1))
+    assert not live.proven(pid(1)) and not live.failed(pid(1))
