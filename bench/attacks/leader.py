@@ -51,6 +51,7 @@ class FakeLeader:
         self.handshake = Handshake(self.peer, swarm, encrypt=True)
         self.values = np.full(elems, 1000.0, dtype=np.float32)
         self.followers = followers
+        self.listed: list[GroupMember] = []  # members it lists without their joins
         self.joins: dict[bytes, pb.JoinRequest] = {}  # by peer id, in the order they came
         self.assembling = False
         self.impostors: list[socket.socket] = []
@@ -98,7 +99,7 @@ class FakeLeader:
                          self.data_endpoint)
         group = Group(os.urandom(16), self.key, 0, self.schema, (me, *(
             GroupMember(r.peer_id, r.endpoint, r.weight, r.client_mode, r.bandwidth,
-                        r.data_endpoint) for r in self.joins.values())), "none")
+                        r.data_endpoint) for r in self.joins.values()), *self.listed), "none")
         await asyncio.to_thread(self._impersonate, group)
         await self.release.wait()  # the GroupInfo held back until the owners hold the streams
         view = FlatView(self.values.data.cast("B"),

@@ -311,3 +311,47 @@ def test_a_flood_of_sealed_datagrams_neither_freezes_nor_silences_a_daemon(net: 
     slow = samples - (after[f'{lag}_bucket{{le="1.0"}}'] - before[f'{lag}_bucket{{le="1.0"}}'])
     assert samples > 0 and slow == 0, (samples, slow)  # the loop never stalled for 1 s
     assert d0.alive()
+
+
+def test_a_group_listing_a_peer_that_never_joined_is_left(net: Net) -> None:
+    """Attack 7's listed peer: a key holder leads the first of d0 and d1 to join it and lists
+    d2 as a member too, as d2 declared itself under the key in the round before (its withdrawn
+    declaration once vouched for it), though d2 never asked it to lead. The follower finds no
+    join of d2's in the GroupInfo, leaves the group with a warning, and d0 and d1 average
+    among themselves."""
+    from bench.attacks.dht_wire import RawDHT, hostport
+    from moshpitd.allreduce.group import GroupMember
+    from moshpitd.matchmaking.declaration import Declaration
+
+    key = "listed"
+    average_all(net.swarm, key, ELEMS, group_size=3)  # d2's declaration is under the key now
+    d2 = net.swarm.daemons[2]
+    with RawDHT(net.key) as raw:
+        rows = raw.find_subs(hostport(net.swarm.daemons[0].dht), key)
+        raw.leave(hostport(net.swarm.daemons[0].dht))
+    theirs = {r[0]: Declaration.unpack(r[1]) for r in rows}
+    d2_decl = theirs[bytes.fromhex(d2.info["peer_id"])]
+    assert d2_decl is not None and d2_decl.withdrawn
+    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True)
+    leader = FakeLeader(net.loop, net.key, key, schema, ELEMS, followers=1)
+    leader.listed.append(GroupMember(bytes.fromhex(d2.info["peer_id"]), d2_decl.endpoint,
+                                     d2_decl.weight, False, d2_decl.bandwidth,
+                                     d2_decl.data_endpoint))
+    leader.hand_out_group()  # it holds nothing back
+    try:
+        leader.declare([d.dht for d in net.swarm.daemons], ttl=60.0)
+        ids = net.ids[:2]
+        inputs = inputs_of(ids, 30)
+
+        def average(i: int) -> set[str]:
+            with moshpit.Client(net.swarm.sockets[i]) as c:
+                (out,) = c.average([inputs[ids[i]]], key=key, group_size=3, min_group_size=2,
+                                   timeout=20)
+                return check_round(out, c.last_round, ids[i], inputs, dict.fromkeys(ids, 1.0))
+
+        assert run_parallel([lambda i=i: average(i) for i in range(2)]) == [set(ids)] * 2
+        assert len(leader.joins) >= 1  # it did lead them
+        warned = [d.log_path.read_text() for d in net.swarm.daemons[:2]]
+        assert any("never asked this leader to lead it" in w for w in warned), warned[0][-2000:]
+    finally:
+        leader.close()
