@@ -189,9 +189,10 @@ class Client(DaemonControl):
             self._device.to_buffer(buf, views, tensors)
         except BaseException:
             with contextlib.suppress(MoshpitError):  # the copy's error is the one to raise
-                self._conn.send(wire.ReadyRequest(request=rid, abandon=True), timeout)
+                self._conn.send(wire.ReadyRequest(request=rid, abandon=True), timeout,
+                                awaited=False)
             raise
-        self._conn.send(wire.ReadyRequest(request=rid), timeout)
+        self._conn.send(wire.ReadyRequest(request=rid), timeout, awaited=False)
         return decode_reply(request.OP, self._conn.reply(rid, timeout + REPLY_MARGIN),
                             wire.AverageReply)
 

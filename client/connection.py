@@ -56,6 +56,7 @@ class DaemonConnection:
             self._sock.close()
             raise DaemonUnavailable(f"cannot connect to moshpitd at {socket_path}: {exc}") from exc
         self._next_id = 0
+        self._awaited: set[int] = set()  # ids whose reply someone will read
 
     def close(self) -> None:
         self._sock.close()
@@ -77,10 +78,14 @@ class DaemonConnection:
                 fd: int | None = None) -> dict[str, Any]:
         return self.reply(self.send(req, timeout, fd), timeout)
 
-    def send(self, req: wire.Message, timeout: float, fd: int | None = None) -> int:
-        """Sends one request; its id, which `reply` waits for."""
+    def send(self, req: wire.Message, timeout: float, fd: int | None = None,
+             awaited: bool = True) -> int:
+        """Sends one request; its id, which `reply` waits for (unless not `awaited`: a
+        `ready`'s reply comes only if it fails, and nobody reads it)."""
         self._next_id += 1
         rid = self._next_id
+        if awaited:
+            self._awaited.add(rid)
         payload = msgpack.packb(wire.request_frame(req, rid), use_bin_type=True)
         frame = len(payload).to_bytes(LENGTH_PREFIX, "big") + payload
         with self._failures(timeout):
@@ -104,6 +109,7 @@ class DaemonConnection:
                 reply = self._read_frame(deadline)
                 if reply.get("id") in (rid, None):
                     break
+        self._awaited.discard(rid)
         if not reply.get("ok"):
             raise from_reply(reply)
         return reply
@@ -123,15 +129,17 @@ class DaemonConnection:
 
     def _last_words(self) -> dict[str, Any] | None:
         """The first error the daemon sent before closing, if one waits unread: its goodbye
-        (id nil), or the refusal of the request whose follow-up (`ready`) found the socket
-        closed, which lies before the goodbye."""
+        (id nil), or the refusal of a request whose reply we await (the one whose follow-up,
+        `ready`, found the socket closed lies before the goodbye). A stale reply to a `ready`
+        nobody reads is skipped."""
         deadline = time.monotonic() + LAST_WORDS_WAIT
         for _ in range(LAST_WORDS_FRAMES):
             try:
                 frame = self._read_frame(deadline)
             except (OSError, MoshpitError, ValueError):
                 return None
-            if not frame.get("ok"):
+            rid = frame.get("id")
+            if not frame.get("ok") and (rid is None or rid in self._awaited):
                 return frame
         return None
 

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from grpc import aio
+from kademlia.node import Node
 
 from moshpitd.allreduce.layout import FlatView
 from moshpitd.allreduce.registry import REFUSED_IDENTITY, RoundRegistry
@@ -68,6 +69,7 @@ class MoshpitNode:
         # who answered our probes: matchmaking follows and waits for them, and their records
         # keep their places under a key that throw-away identities flood
         self.liveness = Liveness(self._probe)
+        self.liveness.known = self._is_contact
         self.dht = DHTNode(rpc_timeout=config.dht_rpc_timeout, auth=config.swarm_key,
                            identity=config.identity,
                            storage=SubkeyStorage(max_subkeys=config.dht_max_records_per_key,
@@ -279,6 +281,13 @@ class MoshpitNode:
             return await self.runner.run(request, view)
         finally:
             del self._active[request.key]
+
+    def _is_contact(self, peer_id: bytes) -> bool:
+        """A peer in our DHT routing table: it answered the DHT under the swarm key (probed
+        first: throw-away identities seldom get there)."""
+        proto = getattr(self.dht, "protocol", None)
+        return proto is not None and len(peer_id) == 20 and \
+            not proto.router.is_new_node(Node(peer_id))
 
     def _protected(self, writer: bytes) -> bool:
         """Records that keep their places under a full key: ours, and live peers'."""

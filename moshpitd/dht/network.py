@@ -63,9 +63,9 @@ async def resolve(hostport: tuple[str, int]) -> list[tuple[str, int]]:
 
 
 # Records of writers that have not proven they live (storage.protected) whose signatures one
-# read checks: a key flooded by throw-away identities would otherwise cost a signature check
-# per record per poll, many polls a second. Replicas send their latest records first, so a
-# newcomer's fresh declaration is among those checked.
+# read checks in each replica's answer: a key flooded by throw-away identities would otherwise
+# cost a signature check per record per poll, many polls a second. Replicas send their latest
+# records first, so a newcomer's fresh declaration is among those checked.
 UNPROVEN_PER_READ = 64
 
 
@@ -256,8 +256,9 @@ class DHTNode(Server):
         nodes = await self._nearest(dkey)
         answers = await self._quorum([self.protocol.call_find_subs(n, dkey) for n in nodes])
         now = time.time()
-        protected, unproven = self.storage.protected, UNPROVEN_PER_READ
-        for answer in answers:
+        protected = self.storage.protected
+        for answer in answers:  # each replica's answer its own budget: one cannot spend it all
+            unproven = UNPROVEN_PER_READ
             for row in answer or []:
                 if not (isinstance(row, list) and len(row) == 5):
                     continue

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
@@ -31,9 +32,10 @@ log = logging.getLogger(__name__)
 Probe = Callable[[str, bytes], Awaitable[bool]]  # (endpoint, peer id): did that peer answer
 
 PROVEN_SECONDS = 600.0  # an answer vouches for a peer this long (it stays in the swarm)
-FAILED_SECONDS = 30.0  # a peer that did not answer is not asked again for this long
+FAILED_SECONDS = 10.0  # a peer that did not answer is not asked again for this long
 CAPACITY = 4096  # peers remembered in each map
 MAX_IN_FLIGHT = 16  # probes at once, over every key
+PER_KEY = 8  # of which one key's requests may hold at most this many
 # A proven peer this long outside our group gets asked again whether it lives: a live one has
 # joined someone within a few polls of declaring; a killed one's declaration outlives it.
 STRAGGLER_PROBE = 0.3  # s
@@ -49,10 +51,11 @@ class Liveness:
         self.capacity, self.max_in_flight, self.clock = capacity, max_in_flight, clock
         self._proven: OrderedDict[bytes, float] = OrderedDict()  # peer -> until, oldest first
         self._failed: OrderedDict[bytes, float] = OrderedDict()
-        self._in_flight: dict[bytes, asyncio.Task[None]] = {}
+        self._in_flight: dict[bytes, tuple[str, asyncio.Task[None]]] = {}  # peer -> key, task
         self._listeners: set[Callable[[], None]] = set()
         self.probes = 0  # probes sent, for the metrics
-        self.deferred = 0  # probes not sent because MAX_IN_FLIGHT were out
+        self.deferred = 0  # probes not sent because MAX_IN_FLIGHT (or PER_KEY) were out
+        self.known: Callable[[bytes], bool] = lambda peer_id: False  # our DHT contacts
 
     def proven(self, peer_id: bytes) -> bool:
         return _live(self._proven, peer_id, self.clock())
@@ -70,21 +73,28 @@ class Liveness:
         it. A live peer answers at once; one that never sends data need not."""
         self._proven.pop(peer_id, None)
 
-    def check(self, peers: Iterable[tuple[bytes, str]]) -> None:
+    def check(self, key: str, peers: Iterable[tuple[bytes, str]]) -> None:
         """Probe, in the background, each (peer id, endpoint) neither proven nor failed lately
-        nor being probed, in the order given, while fewer than MAX_IN_FLIGHT are out."""
-        for peer_id, endpoint in peers:
-            if peer_id in self._in_flight or self.proven(peer_id) or self.failed(peer_id):
-                continue
-            if len(self._in_flight) >= self.max_in_flight:
+        nor being probed: our DHT contacts first, then the others in random order (never by
+        rank, which a declarer dates itself), while fewer than MAX_IN_FLIGHT are out, and
+        PER_KEY for `key`, so a key flooded with throw-away identities starves no other."""
+        todo = [(p, e) for p, e in peers if p not in self._in_flight
+                and not self.proven(p) and not self.failed(p)]
+        random.shuffle(todo)
+        todo.sort(key=lambda pe: not self.known(pe[0]))
+        mine = sum(1 for k, _ in self._in_flight.values() if k == key)
+        for peer_id, endpoint in todo:
+            if len(self._in_flight) >= self.max_in_flight or mine >= PER_KEY:
                 self.deferred += 1
                 return
+            mine += 1
             self.probes += 1
             task = asyncio.ensure_future(self._probe(peer_id, endpoint))
-            self._in_flight[peer_id] = task
+            self._in_flight[peer_id] = (key, task)
 
     def listen(self, wake: Callable[[], None]) -> Callable[[], None]:
-        """Call `wake` after each probe's answer; returns what stops it."""
+        """Call `wake` each time a peer proves itself alive; returns what stops it. (Not on
+        failures: a flood of tarpits would keep every matchmaker polling at its fastest.)"""
         self._listeners.add(wake)
         return lambda: self._listeners.discard(wake)
 
@@ -96,14 +106,14 @@ class Liveness:
         except Exception as exc:  # a probe's own failure: the peer proved nothing
             log.debug("probe of %s at %s failed: %r", peer_id.hex()[:8], endpoint, exc)
             alive = False
-        if alive:
-            self.vouch(peer_id)
-        else:
+        if not alive:
             self._proven.pop(peer_id, None)
             _put(self._failed, peer_id, self.clock() + self.failed_seconds, self.capacity)
+            return False
+        self.vouch(peer_id)
         for wake in list(self._listeners):
             wake()
-        return alive
+        return True
 
     async def _probe(self, peer_id: bytes, endpoint: str) -> None:
         try:
@@ -112,7 +122,7 @@ class Liveness:
             self._in_flight.pop(peer_id, None)
 
     async def close(self) -> None:
-        tasks = list(self._in_flight.values())
+        tasks = [task for _, task in self._in_flight.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -167,12 +177,10 @@ class Vitals:
             return candidates
         taken = [c for c in candidates if c.declaration.client_mode
                  or c.peer_id in followers or live.proven(c.peer_id)]
-        if len(taken) < len(candidates):
+        if len(taken) < len(candidates):  # (a failed one is asked again once that is old)
             kept = {c.peer_id for c in taken}
-            rest = sorted((c for c in candidates if c.peer_id not in kept), key=lambda c: c.rank)
-            self.dead.update(c.peer_id for c in rest if live.failed(c.peer_id))
-            live.check((c.peer_id, c.declaration.endpoint) for c in rest
-                       if c.peer_id not in self.dead)
+            live.check(self.key, ((c.peer_id, c.declaration.endpoint) for c in candidates
+                                  if c.peer_id not in kept and c.peer_id not in self.dead))
         return taken
 
     async def probe_stragglers(self, candidates: list[Candidate], followers: Collection[bytes],

@@ -180,6 +180,7 @@ class Matchmaker:
         poll = MIN_POLL
         read: tuple[list[Candidate], LineStatus | None] | None = None
         while True:
+            self._wake.clear()  # what happens from here on (a join, a probe's answer) wakes us
             if self.assembled.done():
                 return self.assembled.result()
             if self.leading.accepting and self.policy.full(len(self.leading.followers)):
@@ -223,7 +224,6 @@ class Matchmaker:
                     return group
                 if self.assembled.done():
                     return self.assembled.result()
-            self._wake.clear()
             try:
                 async with asyncio.timeout(min(poll, max(decision.wake_at - time.monotonic(), 0))):
                     await self._wake.wait()

@@ -49,3 +49,34 @@ def test_a_refusal_read_before_the_goodbye_explains_a_closed_socket(tmp_path: Pa
     finally:
         conn.close()
         listener.close()
+
+
+def test_a_stale_reply_nobody_awaits_is_not_taken_for_the_reason(tmp_path: Path) -> None:
+    """A `ready` whose average was already refused gets an error reply nobody reads; when the
+    socket is then found closed, the goodbye behind it is the reason raised."""
+    path = str(tmp_path / "d.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def daemon() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(pack_frame(error_frame(1, ErrorCode.INVALID_REQUEST,
+                                                "ready names no pending average")))
+            conn.sendall(pack_frame(error_frame(None, ErrorCode.SHUTTING_DOWN,
+                                                "moshpitd is shutting down (SIGTERM)")))
+
+    thread = threading.Thread(target=daemon)
+    thread.start()
+    conn = DaemonConnection(path, 5.0)
+    try:
+        conn.send(wire.ReadyRequest(request=7), 5.0, awaited=False)
+        thread.join(5)
+        assert not thread.is_alive()
+        with pytest.raises(moshpit.DaemonShuttingDown, match="SIGTERM"):
+            conn.send(wire.StatusRequest(), 5.0)
+    finally:
+        conn.close()
+        listener.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from moshpitd.matchmaking.declaration import Candidate, Declaration
-from moshpitd.matchmaking.liveness import Liveness, Vitals
+from moshpitd.matchmaking.liveness import PER_KEY, Liveness, Vitals
 
 
 class FakeClock:
@@ -43,29 +43,45 @@ def candidate(i: int, version: int, client_mode: bool = False) -> Candidate:
 def test_probes_run_in_the_background_a_bounded_number_at_a_time() -> None:
     async def main() -> None:
         clock = FakeClock()
-        probe = GatedProbe({pid(1)})
+        probe = GatedProbe({pid(1), pid(2)})
         live = Liveness(probe, proven_seconds=60, failed_seconds=10, max_in_flight=2,
                         clock=clock)
         woken: list[int] = []
         stop = live.listen(lambda: woken.append(1))
-        live.check((pid(i), "x") for i in range(1, 6))
+        live.known = {pid(1), pid(2)}.__contains__  # DHT contacts go first
+        live.check("k", ((pid(i), "x") for i in range(5, 0, -1)))
         await asyncio.sleep(0)
-        assert probe.asked == [pid(1), pid(2)] and live.deferred == 1
-        live.check([(pid(1), "x")])  # in flight: not asked twice
+        assert sorted(probe.asked) == [pid(1), pid(2)] and live.deferred == 1
+        live.check("k", [(pid(1), "x")])  # in flight: not asked twice
         probe.gate.set()
         while live._in_flight:
             await asyncio.sleep(0)
-        assert live.proven(pid(1)) and not live.proven(pid(2)) and live.failed(pid(2))
-        assert len(woken) == 2
-        stop()
-        live.check((pid(i), "x") for i in range(1, 6))  # the proven and failed are not asked
+        assert live.proven(pid(1)) and live.proven(pid(2))
+        assert len(woken) == 2  # each proof wakes the listeners
+        live.check("k", ((pid(i), "x") for i in range(1, 6)))  # the proven are not asked
         while live._in_flight:
             await asyncio.sleep(0)
-        assert probe.asked == [pid(1), pid(2), pid(3), pid(4)] and len(woken) == 2
+        assert len(probe.asked) == 4 and set(probe.asked[2:]) <= {pid(3), pid(4), pid(5)}
+        assert len(woken) == 2  # failures wake nobody
+        failed = [p for p in (pid(3), pid(4), pid(5)) if live.failed(p)]
+        assert len(failed) == 2
+        stop()
         clock.now += 11  # a failure is forgotten first, then an answer
-        assert not live.failed(pid(2)) and live.proven(pid(1))
+        assert not live.failed(failed[0]) and live.proven(pid(1))
         clock.now += 50
         assert not live.proven(pid(1))
+    asyncio.run(main())
+
+
+def test_one_key_holds_at_most_its_share_of_the_probes() -> None:
+    async def main() -> None:
+        probe = GatedProbe(set())
+        live = Liveness(probe, max_in_flight=16)
+        live.check("flooded", ((pid(i), "x") for i in range(1, 40)))
+        live.check("other", [(pid(50), "x")])
+        await asyncio.sleep(0)
+        assert len(probe.asked) == PER_KEY + 1 and pid(50) in probe.asked
+        await live.close()
     asyncio.run(main())
 
 
@@ -77,28 +93,32 @@ def test_the_oldest_are_forgotten_first_beyond_capacity() -> None:
 
 
 def test_a_request_follows_and_waits_only_for_proven_peers() -> None:
-    """Unproven candidates are probed earliest-ranked first and do not count meanwhile; those
-    found dead join the request's dead set; followers and client-mode peers always count."""
+    """Unproven candidates are probed and do not count meanwhile; followers and client-mode
+    peers always count; a failed one is left out until its failure is old, then asked again."""
     async def main() -> None:
+        clock = FakeClock()
         probe = GatedProbe({pid(5)})
-        live = Liveness(probe, max_in_flight=3)
+        live = Liveness(probe, failed_seconds=10, clock=clock)
         live.vouch(pid(1))
         dead: set[bytes] = set()
         vitals = Vitals("k", dead, live, live.ask)
-        cands = [candidate(1, 50), candidate(2, 40), candidate(3, 30), candidate(4, 60),
-                 candidate(5, 10), candidate(6, 70, client_mode=True), candidate(7, 5)]
+        cands = [candidate(1, 50), candidate(3, 30), candidate(4, 60), candidate(5, 10),
+                 candidate(6, 70, client_mode=True), candidate(7, 5)]
         taken = vitals.proven(cands, followers={pid(4)})
         assert {c.peer_id for c in taken} == {pid(1), pid(4), pid(6)}
         await asyncio.sleep(0)
-        assert probe.asked == [pid(7), pid(5), pid(3)]  # by rank, up to the bound
+        assert sorted(probe.asked) == [pid(3), pid(5), pid(7)]
         probe.gate.set()
         while live._in_flight:
             await asyncio.sleep(0)
         taken = vitals.proven(cands, followers={pid(4)})
         assert {c.peer_id for c in taken} == {pid(1), pid(4), pid(5), pid(6)}
-        assert dead == {pid(7), pid(3)}
         await asyncio.sleep(0)
-        assert probe.asked[3:] == [pid(2)]  # the next unproven one, now that room was made
+        assert len(probe.asked) == 3 and not dead  # the failed wait out their time
+        clock.now += 11
+        vitals.proven(cands, followers={pid(4)})
+        await asyncio.sleep(0)
+        assert sorted(probe.asked[3:]) == [pid(3), pid(7)]
         await live.close()
     asyncio.run(main())
 
