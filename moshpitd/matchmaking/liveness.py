@@ -183,6 +183,13 @@ class Vitals:
                                   if c.peer_id not in kept and c.peer_id not in self.dead))
         return taken
 
+    def asking_order(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Whom to ask to lead us first: our DHT contacts, then the others, each by rank. A
+        leader that only declared itself (dated back to rank first, say) is asked after the
+        peers we know from the DHT; we still ask only peers ranked before us, so no cycle."""
+        known = self.liveness.known if self.liveness is not None else (lambda p: True)
+        return sorted(candidates, key=lambda c: (not known(c.peer_id), c.rank))
+
     async def probe_stragglers(self, candidates: list[Candidate], followers: Collection[bytes],
                                now: float) -> None:
         """A killed daemon's declaration outlives it (until its TTL): a leader would wait for

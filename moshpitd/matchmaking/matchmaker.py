@@ -210,7 +210,7 @@ class Matchmaker:
             log.debug("%s: %d candidates, %d followers, %d before us", self.me.peer_id.hex()[:6],
                       len(candidates), len(self.leading.followers),
                       sum(c.rank < my_rank for c in candidates))
-            for cand in sorted(candidates, key=lambda c: c.rank):
+            for cand in self.vitals.asking_order(candidates):
                 # A client-mode peer never leads, so it may follow anyone: no cycle can form.
                 later = cand.rank >= my_rank and not self.req.client_mode
                 if later or tried.get(cand.peer_id, 0.0) > time.monotonic():

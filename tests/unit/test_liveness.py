@@ -133,3 +133,11 @@ def test_a_member_we_excluded_must_answer_again() -> None:
     live.vouch(pid(1))
     live.unprove(pid(1))
     assert not live.proven(pid(1)) and not live.failed(pid(1))
+
+
+def test_dht_contacts_are_asked_to_lead_first() -> None:
+    live = Liveness(GatedProbe(set()))
+    live.known = {pid(2), pid(3)}.__contains__
+    vitals = Vitals("k", set(), live, live.ask)
+    cands = [candidate(1, 5), candidate(3, 30), candidate(2, 40), candidate(4, 1)]
+    assert [c.peer_id for c in vitals.asking_order(cands)] == [pid(3), pid(2), pid(4), pid(1)]
