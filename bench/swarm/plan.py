@@ -21,14 +21,13 @@ from bench.swarm.systems import (
 )
 
 # Seconds a run takes beyond its budget on this 2-core machine: starting every host's
-# processes (torch imports at half a core each, daemons, hivemind's DHT and p2pd: 10-25 s),
-# the final syncs and exits, the pause between rows (measured on the smoke and on wan runs
-# of 45 and 120 s: 20-35 s in all).
-RUN_OVERHEAD_S = 35.0
-# Scoring afterwards, in 2 processes: one held-out evaluation of the small model per run
-# (20-60 s of one core, by the machine's load) and its curve's snapshots (about 44 at
-# 0.2-0.5 s).
-EVAL_S_PER_RUN = 25.0
+# processes (torch imports at half a core each, daemons, hivemind's DHT and p2pd), the final
+# syncs and exits, the pause between rows. The results rerun (34 runs of 120 s) took 76.6 min
+# of runs: 15 s a run beyond its budget; the smoke's short runs take about twice that.
+RUN_OVERHEAD_S = 20.0
+# Scoring afterwards, in 2 processes: one held-out evaluation of the small model per run and
+# its curve's snapshots. The rerun's 34 runs took 4.4 min: 8 s a run.
+EVAL_S_PER_RUN = 10.0
 
 
 @dataclass(frozen=True)
