@@ -96,10 +96,10 @@ def test_a_trainer_that_never_says_ready_gets_the_round_s_failure_and_sends_noth
     send = DaemonConnection.send
 
     def hung(self: DaemonConnection, req: wire.Message, timeout: float,
-             fd: int | None = None) -> int:
+             fd: int | None = None, awaited: bool = True) -> int:
         if self is clients[0]._conn and isinstance(req, wire.ReadyRequest):
             return 0  # never sent
-        return send(self, req, timeout, fd)
+        return send(self, req, timeout, fd, awaited)
 
     monkeypatch.setattr(DaemonConnection, "send", hung)
     copy = DeviceCopier.to_buffer
