@@ -15,7 +15,7 @@ import torch
 
 import moshpit
 from moshpitd.launcher import LocalSwarm
-from tests.integration.helpers import assert_close_to_mean, run_parallel
+from tests.integration.helpers import assert_close_to_mean, run_parallel, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +196,8 @@ def test_throw_away_declarations_neither_lead_nor_hold_honest_peers(swarm: Local
         attacker = threading.Thread(target=flood, daemon=True)
         attacker.start()
         try:
-            while sent[0] < 600:  # more than a key holds (256): the key is full of them
-                time.sleep(0.05)
+            # more than a key holds (256): the key is full of them
+            wait_until(lambda: sent[0] >= 600, 30, "600 throw-away declarations sent")
             began = time.monotonic()
             honest_round(swarm, key)
             took = time.monotonic() - began

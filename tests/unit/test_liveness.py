@@ -7,14 +7,7 @@ import asyncio
 
 from moshpitd.matchmaking.declaration import Candidate, Declaration
 from moshpitd.matchmaking.liveness import PER_KEY, Liveness, Vitals
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.dht_fakes import FakeClock
 
 
 class GatedProbe:
