@@ -114,6 +114,7 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
         restarts = [0] * peers
         began = time.monotonic()
         for rnd in range(rounds):
+            observed = time.monotonic()
             if observe is not None:
                 observe(daemons)
             if rnd == 0:
@@ -137,6 +138,7 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
             threads = [threading.Thread(target=trainer, args=(i,)) for i in range(peers)]
             for th in threads:
                 th.start()
+            started = time.monotonic()
             time.sleep(delay)
             daemons[victim].kill()  # SIGKILL, somewhere in matchmaking or the all-reduce
             for th in threads:
@@ -161,6 +163,7 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
                 else:
                     summary.failures += 1
             summary.complete += exact == peers - 1
+            averaged = time.monotonic()
             # the victim comes back as a fresh daemon (new peer id) on its own socket
             restarts[victim] += 1
             alive = [d.dht for d in daemons if d.alive()][:3]
@@ -170,7 +173,9 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
             if verbose:
                 sizes = [o[1].group_size if isinstance(o, tuple) else 0 for o in outcome]
                 print(f"round {rnd:3d}: killed {victim} after {delay * 1000:.0f} ms; "
-                      f"group sizes {sizes}", flush=True)
+                      f"group sizes {sizes}; s observing {started - observed:.2f}, averaging "
+                      f"{averaged - started:.2f}, restarting {time.monotonic() - averaged:.2f}",
+                      flush=True)
         summary.wall_seconds = time.monotonic() - began
         if observe is not None:
             observe(daemons)

@@ -11,12 +11,12 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kademlia.crawling import NodeSpiderCrawl
 from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.utils import digest
 
 from moshpitd.auth import SwarmKey
+from moshpitd.dht.crawl import BriskNodeCrawl, settle
 from moshpitd.dht.protocol import SubkeyProtocol
 from moshpitd.dht.records import RecordVerifier, remaining, sign
 from moshpitd.dht.storage import SubkeyStorage
@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 NEAREST_CACHE_SECONDS = 10.0
-STRAGGLER_MIN_WAIT = 0.05
 _BACKGROUND: set[asyncio.Future[Any]] = set()
 
 
@@ -116,6 +115,15 @@ class DHTNode(Server):
             await self.bootstrap(resolved)
         return self.peer_count()
 
+    async def bootstrap(self, addrs: list[tuple[str, int]]) -> list[Node]:
+        """kademlia's bootstrap (ping the addresses, then look ourselves up), neither step
+        waiting out a silent node once another has answered."""
+        answers = await settle([self.bootstrap_node(addr) for addr in addrs], need=1)
+        nodes = [n for n in answers if n is not None]
+        spider = BriskNodeCrawl(self.protocol, self.node, nodes, self.ksize, self.alpha)
+        found: list[Node] = await spider.find()
+        return found
+
     async def say_goodbye(self, timeout: float = 1.0) -> int:
         """Tell every contact we leave; returns how many heard it."""
         contacts = self.contacts()
@@ -169,8 +177,8 @@ class DHTNode(Server):
         nearest = self.protocol.router.find_neighbors(node)
         if not nearest:
             return []
-        spider = NodeSpiderCrawl(self.protocol, node, nearest, self.protocol.replicas,
-                                 self.alpha)
+        spider = BriskNodeCrawl(self.protocol, node, nearest, self.protocol.replicas,
+                                self.alpha)
         found: list[Node] = await spider.find()
         self._nearest_cache[bytes(node.id)] = (time.monotonic() + NEAREST_CACHE_SECONDS, found)
         if len(self._nearest_cache) > 1024:
@@ -181,22 +189,7 @@ class DHTNode(Server):
         """Answers of the calls that came back in time. Once half have answered, stragglers get
         a short extra wait, not the full RPC timeout: a dead node must not stall matchmaking.
         Calls still running keep going in the background (their failure prunes the node)."""
-        tasks = [asyncio.ensure_future(c) for c in calls]
-        if not tasks:
-            return []
-        start = time.monotonic()
-        pending = set(tasks)
-        need = (len(tasks) + 1) // 2
-        while pending and len(tasks) - len(pending) < need:
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if pending:
-            extra = STRAGGLER_MIN_WAIT + 2 * (time.monotonic() - start)
-            _, pending = await asyncio.wait(pending, timeout=extra)
-        for t in pending:
-            _BACKGROUND.add(t)
-            t.add_done_callback(_BACKGROUND.discard)
-        return [t.result() if t.done() and not t.cancelled() and t.exception() is None
-                else None for t in tasks]
+        return await settle(calls, need=(len(calls) + 1) // 2)
 
     def check_record(self, key: str, subkey: bytes, value: bytes) -> None:
         """Raise DHTError if store_sub would refuse this record (so a caller that stores in
