@@ -229,6 +229,26 @@ class Settings:
     grpc_max_connections_per_address: int = option(
         Int(1, 1 << 16), 64, LIMITS, "connections to the gRPC port from one IP address at once",
         note="Loose on purpose: daemons on one host, or behind one NAT, share an address.")
+    grpc_receive_rate: int = option(
+        Int(1 << 10, 1 << 30, unit="bytes/s"), 16 << 10, LIMITS,
+        "bytes a second the gRPC port reads from one IP address's connections together, or, "
+        "once a peer has proven its key and that it lives, from that peer",
+        note="A connection past its share (and its grpc_receive_burst) is not read from until "
+        "the rate allows: a flood of requests waits in its sender's buffers, and other "
+        "connections from the address do not wait for it. Every request is under 2 KiB and a "
+        "peer sends a few a round; the default is some 40 joins a second.")
+    grpc_receive_burst: int = option(
+        Int(1 << 12, 1 << 30, unit="bytes"), 32 << 10, LIMITS,
+        "bytes one gRPC connection (or, once proven, one peer) may send at once beyond "
+        "grpc_receive_rate")
+    grpc_accept_rate: float = option(
+        Float(0.1, 1e6, unit="1/s"), 16.0, LIMITS,
+        "new gRPC connections a second from one IP address, past grpc_accept_burst",
+        note="A connection past it is closed at once: a flooder cannot open fresh "
+        "connections for fresh grpc_receive_burst budgets. Peers reuse their connections, "
+        "so an honest address opens a few.")
+    grpc_accept_burst: int = option(
+        Int(1, 1 << 16), 256, LIMITS, "new gRPC connections at once from one IP address")
     grpc_max_calls_per_address: int = option(
         Int(1, 1 << 16), 256, LIMITS, "calls (joins, state downloads) open at once on the gRPC "
         "port from one IP address")

@@ -109,9 +109,11 @@ class Metrics:
         self.registry.register(_LabelledCounts(
             "moshpitd_grpc_refused", "gRPC connections and calls refused or cut by a bound: "
             "connections per address or in total, connections silent 10 s or stalled, calls "
-            "per address, responses their caller did not take in time",
-            "limit", ("per_address", "total", "silent", "stalled", "rpcs_per_address",
-                      "write_stalled"), lambda: server.refused))
+            "per address, responses their caller did not take in time; paced: reads held back "
+            "while a connection or identity sent past grpc_receive_rate; accept_rate: "
+            "connections past grpc_accept_rate",
+            "limit", ("per_address", "total", "silent", "stalled", "paced", "accept_rate",
+                      "rpcs_per_address", "write_stalled"), lambda: server.refused))
         Gauge("moshpitd_grpc_connections", "gRPC connections open through the gate",
               registry=self.registry).set_function(
             lambda: server.gate.connections if server.gate is not None else 0)

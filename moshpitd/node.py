@@ -81,7 +81,11 @@ class MoshpitNode:
         self.server = AveragerServer(
             self._handle_join, self._handle_state, config.max_message_bytes, security,
             ServerLimits(GateLimits(config.grpc_max_connections_per_address,
-                                    config.grpc_max_connections),
+                                    config.grpc_max_connections,
+                                    rate=config.grpc_receive_rate,
+                                    burst=config.grpc_receive_burst,
+                                    accept_rate=config.grpc_accept_rate,
+                                    accept_burst=config.grpc_accept_burst),
                          config.grpc_max_calls_per_address, config.grpc_write_timeout))
         self.metrics.watch_grpc(self.server)
         # identity is always on; encryption whenever a swarm key or TLS says the network is
@@ -315,18 +319,28 @@ class MoshpitNode:
         async for chunk in self.states.serve(request, context):
             yield chunk
 
+    def _vouch(self, request: pb.JoinRequest, binding: bytes, peer: str) -> None:
+        """A join from a peer that proved its liveness, signed: its connection's bytes count
+        against its identity from now on, not its address (transport/gate.py). One signature
+        check per connection, and only for proven peers."""
+        gate = self.server.gate
+        if (gate is not None and self.liveness.proven(request.peer_id)
+                and not gate.vouched(peer) and self.auth.proves_sender(request, binding)):
+            gate.vouch(peer, request.peer_id)
+
     async def _handle_join(self, request: pb.JoinRequest,
                            context: aio.ServicerContext) -> AsyncIterator[pb.JoinResponse]:
         if is_probe(request):
             yield self.auth.answer_probe(request)
             return
+        # over TLS, a join must be signed for the certificate its caller presented
+        binding = (tls_binding_of(context.auth_context()) if self.config.tls is not None
+                   else b"")
+        self._vouch(request, binding, context.peer())
         mm = self.matchmakers.get(request.group_key)
         if mm is None:
             yield not_looking(request.group_key)
             return
-        # over TLS, a join must be signed for the certificate its caller presented
-        binding = (tls_binding_of(context.auth_context()) if self.config.tls is not None
-                   else b"")
         async for response in mm.handle_join(request, binding, self.joins):
             yield response
 

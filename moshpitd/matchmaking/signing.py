@@ -107,7 +107,13 @@ class PeerAuth:
             self.refused += 1
         return why
 
-    def _join_refusal(self, request: pb.JoinRequest, tls_binding: bytes) -> str | None:
+    def proves_sender(self, request: pb.JoinRequest, tls_binding: bytes = b"") -> bool:
+        """Whether a join proves its sender holds its peer id's key, its nonce left unspent
+        (the join may still be taken, and checked again, after this)."""
+        return self._join_refusal(request, tls_binding, spend=False) is None
+
+    def _join_refusal(self, request: pb.JoinRequest, tls_binding: bytes, spend: bool = True
+                      ) -> str | None:
         if (len(request.public_key) != PUBLIC_KEY_BYTES or len(request.nonce) != NONCE_BYTES
                 or len(request.signature) != SIGNATURE_BYTES):
             return "the request carries no proof of its peer id (public key, nonce, signature)"
@@ -120,6 +126,8 @@ class PeerAuth:
                       join_bytes(request, self.key.peer_id, tls_binding)):
             return ("its signature does not verify (signed for another leader, altered, or "
                     "sent over TLS with a certificate other than the one its peer key signed)")
+        if not spend:
+            return None
         try:
             self.replay.check(request.nonce, request.timestamp_ms / 1000.0, now,
                               request.peer_id)

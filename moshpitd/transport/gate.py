@@ -9,6 +9,17 @@ bytes through buffers of a fixed size (so a connection holds at most a few of th
 its peer does). The handlers learn the remote address of the connection a call came through
 from `origin`, to bound RPCs per address as well.
 
+What peers send is paced too: every request the port serves is under 2 KiB, and an honest
+peer sends a few a round, but a member flooding signed joins made each daemon spend a quarter
+of a core in gRPC answering them. Before proof, each connection has a token bucket of bytes
+(`burst`) that refills at `rate` shared among its address's connections; once it is empty
+the gate stops reading from that connection until it refills, and the flood waits in its
+sender's own buffers at no cost to us. A connection does not wait for another's debt, so an
+honest peer's join from a flooder's address (a NAT, or loopback in tests) still passes. New
+connections from one address are paced too (`accept_rate`), or a flooder would open fresh
+ones for fresh buckets. A connection whose caller proved its key and that it lives is
+`vouch`ed: its bytes are then charged to that identity's bucket (`rate`, `burst`).
+
 Per-address bounds are loose on purpose: tests and benchmarks run many daemons on 127.0.0.1,
 and peers behind one NAT share an address. After a peer proves its key (a signed join), the
 bounds are per identity (matchmaking/admission.py). TLS passes through untouched: the gate
@@ -20,9 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
-from collections.abc import Callable
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +44,9 @@ PER_ADDRESS = "per_address"  # `limit` labels of moshpitd_grpc_connections_refus
 TOTAL = "total"
 SILENT = "silent"  # closed: nothing within first_bytes
 STALLED = "stalled"  # closed: did not take our bytes within stall
+PACED = "paced"  # not read from for a while: it sent past its bucket
+ACCEPT_RATE = "accept_rate"  # refused: its address opened connections past accept_rate
+BUCKETS = 4096  # buckets kept per address and per identity, the least recently used dropped
 
 
 @dataclass(frozen=True)
@@ -39,19 +55,60 @@ class GateLimits:
     total: int = 1024  # connections at once
     first_bytes: float = 10.0  # s to send the HTTP/2 preface (or the TLS hello)
     stall: float = 30.0  # s our bytes may wait for a peer to take them
+    rate: int = 16 << 10  # bytes/s one address's connections (before proof) or identity send
+    burst: int = 32 << 10  # bytes one connection (before proof) or identity sends at once
+    accept_rate: float = 16.0  # new connections a second from one address
+    accept_burst: int = 256  # new connections at once from one address
+
+
+class Bucket:
+    """A token bucket of bytes, on the clock it is given."""
+
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.stamp = rate, burst, burst, now
+
+    def charge(self, n: int, now: float) -> float:
+        """Take n bytes; the seconds until the bucket is out of debt again (0: none)."""
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - n
+        self.stamp = now
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+    def take(self, n: int, now: float) -> bool:
+        """Take n if there are n, else nothing."""
+        if self.charge(n, now) > 0:
+            self.tokens += n
+            return False
+        return True
+
+
+class _Conn:
+    __slots__ = ("address", "bucket", "identity")
+
+    def __init__(self, address: str, bucket: Bucket) -> None:
+        self.address = address
+        self.bucket = bucket  # its own, before proof
+        self.identity: bytes | None = None  # once vouched: whose bucket it is charged to
 
 
 class Gate:
     """Listens on the public gRPC address and relays each accepted connection to `target`."""
 
     def __init__(self, target: tuple[str, int], limits: GateLimits = GateLimits(),
-                 on_refuse: Callable[[str], None] | None = None) -> None:
+                 on_refuse: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """`clock` and `sleep` pace reads (a test runs them on a virtual clock)."""
         self.target = target
+        self.clock, self.sleep = clock, sleep
         self.limits = limits
         self.on_refuse = on_refuse or (lambda why: None)
         self.open: Counter[str] = Counter()  # remote address -> connections
         self.refused: Counter[str] = Counter()
-        self._origin: dict[int, str] = {}  # our local port towards gRPC -> remote address
+        self._origin: dict[int, _Conn] = {}  # our local port towards gRPC -> connection
+        self._identities: OrderedDict[bytes, Bucket] = OrderedDict()
+        self._accepts: OrderedDict[str, Bucket] = OrderedDict()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -62,8 +119,32 @@ class Gate:
     def origin(self, peer: str) -> str | None:
         """The remote address behind a call, from gRPC's `context.peer()` of the gate's own
         connection ("ipv4:127.0.0.1:PORT"); None for a connection that bypassed the gate."""
+        conn = self._conn(peer)
+        return None if conn is None else conn.address
+
+    def vouch(self, peer: str, identity: bytes) -> None:
+        """The caller behind `peer` (as `origin` takes it) proved it holds `identity` and that
+        the identity lives: charge its connection's bytes to the identity from now on."""
+        conn = self._conn(peer)
+        if conn is not None:
+            conn.identity = identity
+
+    def vouched(self, peer: str) -> bool:
+        conn = self._conn(peer)
+        return conn is not None and conn.identity is not None
+
+    def _conn(self, peer: str) -> _Conn | None:
         port = peer.rpartition(":")[2]
         return self._origin.get(int(port)) if port.isdigit() else None
+
+    def _charge(self, conn: _Conn, n: int) -> float:
+        now, limits = self.clock(), self.limits
+        if conn.identity is None:
+            conn.bucket.rate = limits.rate / max(1, self.open[conn.address])
+            return conn.bucket.charge(n, now)
+        bucket = _lru(self._identities, conn.identity,
+                      lambda: Bucket(limits.rate, limits.burst, now))
+        return bucket.charge(n, now)
 
     async def start(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._accept, host, port, limit=CHUNK)
@@ -84,8 +165,12 @@ class Gate:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         address = str(peer[0]) if peer else "?"
-        why = (PER_ADDRESS if self.open[address] >= self.limits.per_address
-               else TOTAL if self.connections >= self.limits.total else None)
+        limits = self.limits
+        accepts = _lru(self._accepts, address,
+                       lambda: Bucket(limits.accept_rate, limits.accept_burst, self.clock()))
+        why = (PER_ADDRESS if self.open[address] >= limits.per_address
+               else TOTAL if self.connections >= limits.total
+               else ACCEPT_RATE if not accepts.take(1, self.clock()) else None)
         if why is not None:
             self._refuse(why)
             log.debug("gRPC connection from %s refused (%s)", address, why)
@@ -122,10 +207,12 @@ class Gate:
         for w in (writer, up_writer):
             w.transport.set_write_buffer_limits(high=CHUNK)
         port = int(up_writer.get_extra_info("sockname")[1])
-        self._origin[port] = address
+        conn = self._origin[port] = _Conn(
+            address, Bucket(self.limits.rate, self.limits.burst, self.clock()))
         try:
+            await self._pace(conn, len(first))
             up_writer.write(first)
-            pumps = [asyncio.ensure_future(self._pump(reader, up_writer)),
+            pumps = [asyncio.ensure_future(self._pump(reader, up_writer, conn)),
                      asyncio.ensure_future(self._pump(up_reader, writer))]
             try:
                 done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
@@ -139,11 +226,36 @@ class Gate:
             self._origin.pop(port, None)
             up_writer.transport.abort()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Until either side closes; at most CHUNK bytes waiting in each direction."""
+    async def _pace(self, conn: _Conn, n: int) -> None:
+        wait = self._charge(conn, n)
+        if wait > 0:
+            self._refuse(PACED)
+            await self.sleep(wait)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    paced: _Conn | None = None) -> None:
+        """Until either side closes; at most CHUNK bytes waiting in each direction. What a
+        `paced` connection sends is charged to its bucket, and read no faster."""
         while data := await reader.read(CHUNK):
+            if paced is not None:
+                await self._pace(paced, len(data))
             writer.write(data)
             async with asyncio.timeout(self.limits.stall):
                 await writer.drain()
         with contextlib.suppress(OSError):
             writer.write_eof()
+
+
+K = TypeVar("K")
+
+
+def _lru(table: OrderedDict[K, Bucket], key: K, new: Callable[[], Bucket]) -> Bucket:
+    """table[key], made by `new` if missing, now the most recently used; the least recently
+    used dropped past BUCKETS."""
+    bucket = table.pop(key, None)
+    if bucket is None:
+        bucket = new()
+        if len(table) >= BUCKETS:
+            table.popitem(last=False)
+    table[key] = bucket
+    return bucket
