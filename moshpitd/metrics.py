@@ -194,8 +194,9 @@ class _DHTStoreCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         refused = CounterMetricFamily(
             "moshpitd_dht_records_refused", "DHT records refused: unsigned, signed by another "
-            "key than the subkey's, a bad signature, a version outside the clock window, or "
-            "over a bound of the store (full)", labels=["reason"])
+            "key than the subkey's, a bad signature, a version outside the clock window, "
+            "over a bound of the store (full), or from an address bringing new writers faster "
+            "than 32 a second (new_writers)", labels=["reason"])
         for reason, count in sorted({**self.records.refused,
                                      "full": self.store.refused_full}.items()):
             refused.add_metric([reason], count)

@@ -61,11 +61,14 @@ async def resolve(hostport: tuple[str, int]) -> list[tuple[str, int]]:
     return list(dict.fromkeys((normalise_host(str(info[4][0])), port) for info in infos))
 
 
-# Records of writers that have not proven they live (storage.protected) whose signatures one
-# read checks in each replica's answer: a key flooded by throw-away identities would otherwise
-# cost a signature check per record per poll, many polls a second. Replicas send their latest
-# records first, so a newcomer's fresh declaration is among those checked.
-UNPROVEN_PER_READ = 64
+# Records of writers that have not proven they live (storage.protected) and are not our DHT
+# contacts, whose signatures one read checks in each replica's answer: a key flooded by
+# throw-away identities would otherwise cost a signature check per record per poll, many polls
+# a second (at 64, verifying them took a fifth of a daemon's loop under a flood). Replicas send
+# their latest records first, so a newcomer's fresh declaration is among those checked; and a
+# newcomer that bootstrapped through us, or that we met in a lookup, is a contact, checked
+# whatever the budget.
+UNPROVEN_PER_READ = 16
 
 
 class DHTNode(Server):
@@ -250,6 +253,11 @@ class DHTNode(Server):
         answers = await self._quorum([self.protocol.call_find_subs(n, dkey) for n in nodes])
         now = time.time()
         protected = self.storage.protected
+        router = self.protocol.router
+
+        def contact(sk: bytes) -> bool:
+            return len(sk) == len(self.peer_id) and not router.is_new_node(Node(sk))
+
         for answer in answers:  # each replica's answer its own budget: one cannot spend it all
             unproven = UNPROVEN_PER_READ
             for row in answer or []:
@@ -264,7 +272,7 @@ class DHTNode(Server):
                 if held is not None and (held.version > version or (
                         held.version == version and held.value == value)):
                     continue  # older, or the record we hold as another replica sent it
-                if not protected(sk):
+                if not protected(sk) and not contact(sk):
                     if unproven <= 0:
                         continue
                     unproven -= 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 import umsgpack
@@ -18,6 +18,7 @@ from kademlia.protocol import KademliaProtocol
 from kademlia.utils import digest
 
 from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
+from moshpitd.buckets import Bucket, lru_bucket
 from moshpitd.dht.records import Proof, RecordVerifier, remaining
 from moshpitd.dht.storage import StoredSub, SubkeyStorage
 
@@ -34,6 +35,14 @@ WELCOME_BURST = 50
 HANDOVER_RATE = 200.0
 HANDOVER_BURST = 1000
 ID_BYTES = 20
+# Writers this node holds nothing of and has not proven, whose records one address may bring
+# a second (and at once): throw-away identities cost nothing, and each record is a signature
+# check (a member storing 3,500 a second from one address kept each daemon's loop a fifth busy
+# verifying them). An honest address brings its own daemons' writers, and a replica's handover
+# the key's, a few hundred at most. Past it, a store is refused before its signature is checked.
+NEW_WRITERS_RATE = 32.0
+NEW_WRITERS_BURST = 512
+NEW_WRITERS = "new_writers"  # reason label of moshpitd_dht_records_refused_total
 # What find_subs may answer with: a datagram, less its seal, header (21) and map (16). Each
 # row costs its bytes plus at most ROW_BYTES of msgpack framing (a list, two ints or floats,
 # three byte-string headers and the proof's list and float).
@@ -79,6 +88,7 @@ class SubkeyProtocol(KademliaProtocol):
         self._welcome_tokens = float(WELCOME_BURST)
         self._handover_tokens = float(HANDOVER_BURST)
         self._welcome_at = time.monotonic()
+        self._newcomers: OrderedDict[str, Bucket] = OrderedDict()  # address -> its bucket
         # requests naming our own node id that we did not send: another daemon holds our key
         self.own_id_elsewhere = 0
         self._own_id_logged: dict[tuple[str, int], float] = {}
@@ -177,11 +187,24 @@ class SubkeyProtocol(KademliaProtocol):
         if subkey == self.source_node.id or not self.storage.admissible(
                 key, subkey, value, version, float(ttl)):
             return False
+        if not self._known_writer(subkey, sender[0]):
+            self.verifier.refused[NEW_WRITERS] += 1
+            return False
         checked = self.verifier.check(key, subkey, value, version, float(ttl), proof)
         if checked is None:
             return False
         return self.storage.store_sub(key, subkey, value, version,
                                       remaining(version, checked, float(ttl)), checked)
+
+    def _known_writer(self, writer: bytes, address: str) -> bool:
+        """Whether a record of `writer` from `address` may be checked: a writer stored here or
+        proven, or one of the new writers its address may bring (NEW_WRITERS_RATE)."""
+        if self.storage.holds_writer(writer) or self.storage.protected(writer):
+            return True
+        now = self.storage.clock()
+        bucket = lru_bucket(self._newcomers, address,
+                            lambda: Bucket(NEW_WRITERS_RATE, NEW_WRITERS_BURST, now))
+        return bucket.take(1, now)
 
     def rpc_find_subs(self, sender: tuple[str, int], nodeid: bytes, key: bytes) -> dict[str, Any]:
         if not (_is_id(nodeid) and _is_id(key)):

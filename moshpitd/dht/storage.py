@@ -89,6 +89,10 @@ class SubkeyStorage(IStorage):
         self._swept_at = -SWEEP_INTERVAL
 
     # --- subkey records -------------------------------------------------------------------
+    def holds_writer(self, writer: bytes) -> bool:
+        """Whether some record of `writer` is stored here (expired ones included until swept)."""
+        return writer in self._per_writer
+
     def admissible(self, key: bytes, subkey: bytes, value: bytes, version: int,
                    ttl: float) -> bool:
         """Whether store_sub would take this record now, without storing it: the protocol

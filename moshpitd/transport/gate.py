@@ -35,7 +35,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+
+from moshpitd.buckets import Bucket, lru_bucket
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ SILENT = "silent"  # closed: nothing within first_bytes
 STALLED = "stalled"  # closed: did not take our bytes within stall
 PACED = "paced"  # not read from for a while: it sent past its bucket
 ACCEPT_RATE = "accept_rate"  # refused: its address opened connections past accept_rate
-BUCKETS = 4096  # buckets kept per address and per identity, the least recently used dropped
 
 
 @dataclass(frozen=True)
@@ -59,28 +59,6 @@ class GateLimits:
     burst: int = 32 << 10  # bytes one connection (before proof) or identity sends at once
     accept_rate: float = 16.0  # new connections a second from one address
     accept_burst: int = 256  # new connections at once from one address
-
-
-class Bucket:
-    """A token bucket of bytes, on the clock it is given."""
-
-    __slots__ = ("burst", "rate", "stamp", "tokens")
-
-    def __init__(self, rate: float, burst: float, now: float) -> None:
-        self.rate, self.burst, self.tokens, self.stamp = rate, burst, burst, now
-
-    def charge(self, n: int, now: float) -> float:
-        """Take n bytes; the seconds until the bucket is out of debt again (0: none)."""
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - n
-        self.stamp = now
-        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
-
-    def take(self, n: int, now: float) -> bool:
-        """Take n if there are n, else nothing."""
-        if self.charge(n, now) > 0:
-            self.tokens += n
-            return False
-        return True
 
 
 class _Conn:
@@ -142,7 +120,7 @@ class Gate:
         if conn.identity is None:
             conn.bucket.rate = limits.rate / max(1, self.open[conn.address])
             return conn.bucket.charge(n, now)
-        bucket = _lru(self._identities, conn.identity,
+        bucket = lru_bucket(self._identities, conn.identity,
                       lambda: Bucket(limits.rate, limits.burst, now))
         return bucket.charge(n, now)
 
@@ -166,7 +144,7 @@ class Gate:
         peer = writer.get_extra_info("peername")
         address = str(peer[0]) if peer else "?"
         limits = self.limits
-        accepts = _lru(self._accepts, address,
+        accepts = lru_bucket(self._accepts, address,
                        lambda: Bucket(limits.accept_rate, limits.accept_burst, self.clock()))
         why = (PER_ADDRESS if self.open[address] >= limits.per_address
                else TOTAL if self.connections >= limits.total
@@ -245,17 +223,3 @@ class Gate:
         with contextlib.suppress(OSError):
             writer.write_eof()
 
-
-K = TypeVar("K")
-
-
-def _lru(table: OrderedDict[K, Bucket], key: K, new: Callable[[], Bucket]) -> Bucket:
-    """table[key], made by `new` if missing, now the most recently used; the least recently
-    used dropped past BUCKETS."""
-    bucket = table.pop(key, None)
-    if bucket is None:
-        bucket = new()
-        if len(table) >= BUCKETS:
-            table.popitem(last=False)
-    table[key] = bucket
-    return bucket

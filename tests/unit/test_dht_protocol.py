@@ -23,6 +23,7 @@ from tests.unit.dht_fakes import (
     WRITER_B,
     A,
     B,
+    FakeClock,
     signed,
 )
 from tests.unit.dht_fakes import in_loop as _in_loop
@@ -349,3 +350,35 @@ def test_records_handed_to_new_contacts_are_bounded_per_second() -> None:
         assert 0 < stores <= HANDOVER_BURST + 10 < 20 * 256, stores
 
     _in_loop(body)
+
+
+def test_one_address_brings_new_writers_at_a_bounded_rate() -> None:
+    """A member storing records of throw-away identities from one address (3,500 a second once
+    kept every daemon's loop a fifth busy checking their signatures): past NEW_WRITERS_BURST
+    new writers, a store from that address is refused before its signature is checked, until
+    the rate allows; writers held here, proven writers and other addresses are not held back."""
+    from moshpitd.dht.protocol import NEW_WRITERS, NEW_WRITERS_BURST, NEW_WRITERS_RATE
+
+    proto = _proto()
+    clock = proto.storage.clock
+    assert isinstance(clock, FakeClock)
+    held, proven = PeerKey.generate(), PeerKey.generate()
+    proto.storage.protected = {proven.peer_id}.__contains__
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(held, b"v", NOW, 30.0))
+    flooded = b"\x05" * 20  # (a key holds 256 records: the flood's own key keeps `held`'s)
+    for _ in range(NEW_WRITERS_BURST - 1):
+        assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(PeerKey.generate(), b"v", NOW, 30.0,
+                                                          key=flooded))
+    checked = proto.verifier.verifications
+    assert not proto.rpc_store_sub(ADDR, PEER_ID, *signed(PeerKey.generate(), b"v", NOW, 30.0,
+                                                          key=flooded))
+    assert proto.verifier.refused[NEW_WRITERS] == 1
+    assert proto.verifier.verifications == checked  # refused before its signature
+    # a writer already held, a proven one, and another address's new writer still pass
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(held, b"w", NOW + 1, 30.0))
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(proven, b"v", NOW, 30.0))
+    assert proto.rpc_store_sub(("10.0.0.3", 4000), PEER_ID,
+                               *signed(PeerKey.generate(), b"v", NOW, 30.0))
+    # the rate refills the address's bucket
+    clock.now += 1.0 / NEW_WRITERS_RATE
+    assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(PeerKey.generate(), b"v", NOW, 30.0))

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from moshpitd.transport.gate import ACCEPT_RATE, PACED, Bucket, Gate, GateLimits
+from moshpitd.buckets import Bucket
+from moshpitd.transport.gate import ACCEPT_RATE, PACED, Gate, GateLimits
 
 RATE, BURST = 1000, 1000
 
