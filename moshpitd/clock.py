@@ -13,6 +13,7 @@ Each matchmaking attempt has an `AttemptClock`: its end, and the waits derived f
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -117,15 +118,26 @@ class AttemptClock:
         before every member's (their declarations' TTLs tell, whatever their clocks say)."""
         return min([self.deadline, *member_deadlines]) - self.assembly_lead
 
+    def outlived_by(self, deadline: float) -> bool:
+        """Whether a declaration ending at `deadline` ends more than an attempt after ours.
+        An honest peer declares itself for one attempt, so such a one (dated back to lead,
+        say, and signed for ten minutes) would be followed and waited for in vain: a leader
+        that accepts and never assembles once held the peers that knew nothing of it, every
+        round. Peers whose attempts are more than twice as long as ours are taken for it."""
+        return deadline > self.deadline + self.seconds
+
     def answer_wait(self, now: float) -> float:
         """How long a follower waits for a leader's first answer to Join."""
         return max(min(ANSWER_WAIT, self.deadline - now), MIN_ANSWER_WAIT)
 
-    def group_info_wait(self, now: float) -> float:
+    def group_info_wait(self, now: float, leader_deadline: float = math.inf) -> float:
         """How long an accepted follower waits for its leader's GroupInfo: on its own clock.
         An honest leader assembles before the earliest deadline of its members (ours
-        included), so nothing it declares can make us wait past our own attempt."""
-        return max(self.deadline + GROUP_INFO_PATIENCE - now, MIN_GROUP_INFO_WAIT)
+        included) and before its own, as its declaration's lifetime tells: nothing it
+        declares can make us wait past our own attempt, and a short declaration (one that
+        ranks first by its date, say) holds us no longer than it lives."""
+        return max(min(self.deadline, leader_deadline) + GROUP_INFO_PATIENCE - now,
+                   MIN_GROUP_INFO_WAIT)
 
 
 def stream_wait(attempt_max: float) -> float:

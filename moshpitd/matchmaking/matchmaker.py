@@ -271,6 +271,8 @@ class Matchmaker:
                     self._mismatch_ranks[peer_id] = decl.ranks
                 continue
             self._seen_match.add(peer_id)
+            if self._clock.outlived_by(now + rec.ttl):
+                continue  # not an honest attempt's: neither followed nor waited for
             self._declared_now.add(peer_id)
             out.append(Candidate(peer_id, decl, now + rec.ttl, rec.version))
         return out
@@ -335,7 +337,8 @@ class Matchmaker:
             # A leader that accepts and never assembles (a cycle of inconsistent views, or one
             # that means to stall us) holds us to our own deadline at most, and never again.
             try:
-                async with asyncio.timeout(self._clock.group_info_wait(time.monotonic())):
+                async with asyncio.timeout(self._clock.group_info_wait(time.monotonic(),
+                                                                       leader.deadline)):
                     resp = await call.read()
             except TimeoutError:
                 log.info("%s: leader %s accepted us and did not assemble in time; not asking "
