@@ -118,13 +118,14 @@ class AttemptClock:
         before every member's (their declarations' TTLs tell, whatever their clocks say)."""
         return min([self.deadline, *member_deadlines]) - self.assembly_lead
 
-    def outlived_by(self, deadline: float) -> bool:
-        """Whether a declaration ending at `deadline` ends more than an attempt after ours.
-        An honest peer declares itself for one attempt, so such a one (dated back to lead,
-        say, and signed for ten minutes) would be followed and waited for in vain: a leader
-        that accepts and never assembles once held the peers that knew nothing of it, every
-        round. Peers whose attempts are more than twice as long as ours are taken for it."""
-        return deadline > self.deadline + self.seconds
+    def outlived_by(self, deadline: float, longest: float = 0.0) -> bool:
+        """Whether a declaration ending at `deadline` ends more than two attempts after ours
+        (`longest`: an uncut attempt, matchmaking_attempt_timeout; our own by default). An
+        honest peer declares itself for one attempt, so such a one (dated back to lead, say,
+        and signed for ten minutes) would be followed and waited for in vain: a leader that
+        accepts and never assembles once held the peers that knew nothing of it, every
+        round. A peer whose setting is more than twice ours is taken for it."""
+        return deadline > self.deadline + 2 * max(longest, self.seconds)
 
     def answer_wait(self, now: float) -> float:
         """How long a follower waits for a leader's first answer to Join."""

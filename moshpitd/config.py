@@ -122,8 +122,9 @@ class Settings:
         Float(0.1, 600.0, unit="s"), 5.0, AVERAGING,
         "upper bound on one matchmaking attempt, within the request's own timeout",
         note="A request that finds no group in one attempt declares itself again for the next; "
-        "a grid round gives up after one. A data-plane stream for a group this daemon has not "
-        "learnt of yet waits two attempts.")
+        "a grid round gives up after one. A peer's declaration ending more than two of these "
+        "after ours is ignored, so give every daemon of a swarm a similar value. A data-plane "
+        "stream for a group this daemon has not learnt of yet waits two attempts.")
     # --- operations
     metrics_listen: HostPort = option(
         HOSTPORT, ("127.0.0.1", 9464), OPERATIONS, "address of the Prometheus /metrics endpoint",

@@ -209,7 +209,8 @@ class RoundRunner:
                                                self.config.part_size,
                                                self.registry.handshake.mode == ENCRYPTED),
             weight=weight, target_size=target, min_size=request.min_group_size,
-            attempt_seconds=attempt, expected=expected, codec=request.codec,
+            attempt_seconds=attempt, longest_attempt=clock.attempt_max, expected=expected,
+            codec=request.codec,
             client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,
             rank_digests=request.rank_digests,
         )

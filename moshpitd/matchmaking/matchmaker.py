@@ -271,7 +271,7 @@ class Matchmaker:
                     self._mismatch_ranks[peer_id] = decl.ranks
                 continue
             self._seen_match.add(peer_id)
-            if self._clock.outlived_by(now + rec.ttl):
+            if self._clock.outlived_by(now + rec.ttl, self.req.longest_attempt):
                 continue  # not an honest attempt's: neither followed nor waited for
             self._declared_now.add(peer_id)
             out.append(Candidate(peer_id, decl, now + rec.ttl, rec.version))

@@ -20,6 +20,10 @@ class MatchRequest:
     client_mode: bool = False
     # One attempt: the round clock's (RoundClock.attempt), never a default of its own.
     attempt_seconds: float = field(kw_only=True)
+    # The setting matchmaking_attempt_timeout, uncut by the request: an honest peer's
+    # declaration lives one attempt, so one that ends more than two of ours after our own is
+    # not followed or waited for (0: take attempt_seconds).
+    longest_attempt: float = 0.0
     # Peers known to be coming (grid line-mates). None: unknown, so assemble once everyone
     # declared under the key has joined and nothing changed for settle_seconds.
     expected: frozenset[bytes] | None = None

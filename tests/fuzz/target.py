@@ -219,8 +219,13 @@ class Target:
 def live_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     """Body of each fuzz module's module-scoped `target` fixture: daemon 0 of a fresh swarm,
     warmed up with one check; a summary is printed at teardown."""
+    # The fuzzer sends hundreds of requests a second down one connection, as a flooder would:
+    # at the default grpc_receive_rate the gate would hold most of them back (a bound tested
+    # on its own), and the cases would test the pacing instead of the parsing.
     swarm = LocalSwarm(3, workdir=tmp_path_factory.mktemp("fuzz"),
-                       log_level=os.environ.get("MOSHPIT_FUZZ_LOG_LEVEL", "INFO"))
+                       log_level=os.environ.get("MOSHPIT_FUZZ_LOG_LEVEL", "INFO"),
+                       extra_args=["--grpc-receive-rate", str(64 << 20),
+                                   "--grpc-receive-burst", str(64 << 20)])
     swarm.start()
     try:
         # 3 chunks of DownloadState (1 MiB each), so offsets and lengths matter

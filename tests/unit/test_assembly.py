@@ -63,8 +63,11 @@ def test_attempt_clock_values() -> None:
     assert c.group_info_wait(100.0, leader_deadline=102.0) == pytest.approx(3.0)
     # ...and one that claims ten minutes no longer than our own attempt
     assert c.group_info_wait(100.0, leader_deadline=700.0) == pytest.approx(6.0)
-    # a declaration ending more than an attempt after ours is no honest attempt's
-    assert not c.outlived_by(110.0) and c.outlived_by(110.5) and c.outlived_by(700.0)
+    # a declaration ending more than two attempts after ours is no honest attempt's...
+    assert not c.outlived_by(115.0) and c.outlived_by(115.5) and c.outlived_by(700.0)
+    # ...two uncut attempts: a request about to end cuts its own, not its patience
+    cut = AttemptClock.starting(100.0, 0.5, final=100.5)
+    assert not cut.outlived_by(110.0, longest=5.0) and cut.outlived_by(111.0, longest=5.0)
 
 
 # --- target size ---------------------------------------------------------------------------
