@@ -300,8 +300,11 @@ def test_host_cut_off_for_10s_rejoins(net: Net) -> None:
         assert any(a.members == three for a in during), "no round over all three survivors"
         assert not [a for a in during if a.peer == victim and a.group_size > 1], \
             "host 4 averaged with others while cut off"
+        # its first round back is with others (a survivor still finishing its last round may
+        # miss it: a group assembles once everyone declared is in); one with all four came
+        # within rejoin_bound (t_back above)
         victim_back = min((a for a in ok() if a.peer == victim and a.start >= t_up),
                           key=lambda a: a.end)
-        assert victim_back.members == set(range(HOSTS)), victim_back
+        assert victim in victim_back.members and len(victim_back.members) > 1, victim_back
     for c in [*clients, watch]:
         c.close()
