@@ -176,6 +176,9 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
                       f"group sizes {sizes}; s observing {started - observed:.2f}, averaging "
                       f"{averaged - started:.2f}, restarting {time.monotonic() - averaged:.2f}",
                       flush=True)
+                for i, got in enumerate(outcome):  # a peer that was not killed and failed
+                    if i != victim and not isinstance(got, tuple):
+                        print(f"           peer {i}: {got!r}"[:400], flush=True)
         summary.wall_seconds = time.monotonic() - began
         if observe is not None:
             observe(daemons)
