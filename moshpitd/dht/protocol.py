@@ -214,10 +214,16 @@ class SubkeyProtocol(KademliaProtocol):
 
     def _rows_that_fit(self, records: dict[bytes, tuple[StoredSub, float]]) -> list[list[Any]]:
         """As many records as one reply datagram holds: a key full of throw-away identities'
-        records is larger than that. Proven writers' first (storage.protected), then the
-        others, the latest stored first."""
-        protected = self.storage.protected
-        order = sorted(reversed(records.items()), key=lambda item: not protected(item[0]))
+        records is larger than that. Proven writers' first (storage.protected), then our DHT
+        contacts' (a replica restarted a moment ago has proven nobody, but knows the daemons
+        it talks to), then the others, the latest stored first."""
+        protected, router = self.storage.protected, self.router
+
+        def contact(sk: bytes) -> bool:
+            return len(sk) == ID_BYTES and not router.is_new_node(Node(sk))
+
+        order = sorted(reversed(records.items()),
+                       key=lambda item: (not protected(item[0]), not contact(item[0])))
         rows, room = [], REPLY_ROOM
         for sk, (s, ttl) in order:
             if s.proof is None:

@@ -59,7 +59,7 @@ def test_store_sub_then_find_subs() -> None:
 def test_find_subs_answers_what_one_datagram_holds_proven_writers_first() -> None:
     """A key holds 256 records of up to 1 KiB: more than a reply datagram, which was then not
     sent at all (the asker saw nothing of the key). Now the reply takes proven writers'
-    records first, then the latest stored, up to what fits."""
+    records first, then our DHT contacts', then the latest stored, up to what fits."""
     from moshpitd.auth import OVERHEAD
     from moshpitd.dht.protocol import MAX_DATAGRAM
 
@@ -69,13 +69,15 @@ def test_find_subs_answers_what_one_datagram_holds_proven_writers_first() -> Non
     proto.storage.protected = proven.__contains__
     for w in writers:
         assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(w, b"v" * 900, NOW, 30.0))
+    contact = writers[5].peer_id  # a daemon we talk to, stored long ago
+    proto.router.add_contact(Node(contact, "10.0.0.5", 4000))
     rows = proto.rpc_find_subs(ADDR, PEER_ID, KEY)["subs"]
     reply = b"\x01" + b"\x00" * 20 + umsgpack.packb({"subs": rows})
     assert len(reply) <= MAX_DATAGRAM - OVERHEAD
     assert 40 < len(rows) < len(writers)
-    assert {r[0] for r in rows[:2]} == proven
-    latest = [w.peer_id for w in reversed(writers) if w.peer_id not in proven]
-    assert [r[0] for r in rows[2:]] == latest[:len(rows) - 2]
+    assert {r[0] for r in rows[:2]} == proven and rows[2][0] == contact
+    latest = [w.peer_id for w in reversed(writers) if w.peer_id not in proven | {contact}]
+    assert [r[0] for r in rows[3:]] == latest[:len(rows) - 3]
 
 
 def test_store_sub_merges_by_version() -> None:
