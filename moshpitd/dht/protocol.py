@@ -87,7 +87,7 @@ class SubkeyProtocol(KademliaProtocol):
         self._misses: dict[bytes, int] = {}  # contact -> unanswered RPCs in a row
         self._welcome_tokens = float(WELCOME_BURST)
         self._handover_tokens = float(HANDOVER_BURST)
-        self._welcome_at = time.monotonic()
+        self._welcome_at = storage.clock()
         self._newcomers: OrderedDict[str, Bucket] = OrderedDict()  # address -> its bucket
         # requests naming our own node id that we did not send: another daemon holds our key
         self.own_id_elsewhere = 0
@@ -333,7 +333,7 @@ class SubkeyProtocol(KademliaProtocol):
             return
         # Handing records over costs a scan of every key: new contacts past a few per second
         # (a flood of made-up node ids) are added without it; owners refresh their records.
-        now = time.monotonic()
+        now = self.storage.clock()
         elapsed, self._welcome_at = now - self._welcome_at, now
         self._welcome_tokens = min(WELCOME_BURST, self._welcome_tokens + elapsed * WELCOME_RATE)
         self._handover_tokens = min(HANDOVER_BURST,
