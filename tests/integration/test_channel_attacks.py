@@ -262,7 +262,7 @@ def test_a_leader_that_accepts_and_never_assembles_holds_nobody_for_long(net: Ne
     schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True)
     inputs = inputs_of(net.ids, 20)
     want = torch.stack([inputs[p] for p in net.ids]).mean(0)
-    timeout = 15.0
+    timeout = 25.0  # a loaded machine (the suite runs 5 workers) may need a third attempt
 
     def average(i: int, key: str) -> tuple[torch.Tensor, moshpit.RoundInfo | None, float]:
         with moshpit.Client(net.swarm.sockets[i]) as c:
