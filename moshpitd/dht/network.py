@@ -252,12 +252,7 @@ class DHTNode(Server):
         nodes = await self._nearest(dkey)
         answers = await self._quorum([self.protocol.call_find_subs(n, dkey) for n in nodes])
         now = time.time()
-        protected = self.storage.protected
-        router = self.protocol.router
-
-        def contact(sk: bytes) -> bool:
-            return len(sk) == len(self.peer_id) and not router.is_new_node(Node(sk))
-
+        protected, contact = self.storage.protected, self.protocol.is_contact
         for answer in answers:  # each replica's answer its own budget: one cannot spend it all
             unproven = UNPROVEN_PER_READ
             for row in answer or []:

@@ -217,11 +217,7 @@ class SubkeyProtocol(KademliaProtocol):
         records is larger than that. Proven writers' first (storage.protected), then our DHT
         contacts' (a replica restarted a moment ago has proven nobody, but knows the daemons
         it talks to), then the others, the latest stored first."""
-        protected, router = self.storage.protected, self.router
-
-        def contact(sk: bytes) -> bool:
-            return len(sk) == ID_BYTES and not router.is_new_node(Node(sk))
-
+        protected, contact = self.storage.protected, self.is_contact
         order = sorted(reversed(records.items()),
                        key=lambda item: (not protected(item[0]), not contact(item[0])))
         rows, room = [], REPLY_ROOM
@@ -234,6 +230,10 @@ class SubkeyProtocol(KademliaProtocol):
                 break
             rows.append([sk, s.value, s.version, ttl, s.proof.wire()])
         return rows
+
+    def is_contact(self, node_id: bytes) -> bool:
+        """Whether `node_id` (a writer's peer id, say) is in our routing table."""
+        return len(node_id) == ID_BYTES and not self.router.is_new_node(Node(node_id))
 
     def rpc_leave(self, sender: tuple[str, int], nodeid: bytes) -> bool:
         """A draining daemon says goodbye, so we stop routing to it now rather than after
