@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
 
 from kademlia.crawling import NodeSpiderCrawl
@@ -22,6 +22,14 @@ from kademlia.crawling import NodeSpiderCrawl
 T = TypeVar("T")
 STRAGGLER_MIN_WAIT = 0.05  # s a straggler gets beyond twice the time the first answers took
 _BACKGROUND: set[asyncio.Future[Any]] = set()
+
+
+def keep_running(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Hold a reference to tasks left to finish in the background (the loop keeps only weak
+    ones), until each is done."""
+    for t in tasks:
+        _BACKGROUND.add(t)
+        t.add_done_callback(_BACKGROUND.discard)
 
 
 async def settle(calls: list[Awaitable[T]], need: int) -> list[T | None]:
@@ -52,9 +60,7 @@ async def settle_timed(calls: list[Awaitable[T]], need: int, limit: float | None
         took = time.monotonic() - start
         if pending:
             _, pending = await asyncio.wait(pending, timeout=STRAGGLER_MIN_WAIT + 2 * took)
-    for t in pending:
-        _BACKGROUND.add(t)
-        t.add_done_callback(_BACKGROUND.discard)
+    keep_running(pending)
     return [t.result() if t.done() and not t.cancelled() and t.exception() is None
             else None for t in tasks], took
 

@@ -9,14 +9,14 @@ import socket
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.utils import digest
 
 from moshpitd.auth import SwarmKey
-from moshpitd.dht.crawl import BriskNodeCrawl, settle
+from moshpitd.dht.crawl import BriskNodeCrawl, keep_running, settle
 from moshpitd.dht.protocol import SubkeyProtocol
 from moshpitd.dht.records import RecordVerifier, remaining, sign
 from moshpitd.dht.storage import SubkeyStorage
@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 NEAREST_CACHE_SECONDS = 10.0
-_BACKGROUND: set[asyncio.Future[Any]] = set()
 
 
 @dataclass(frozen=True)
@@ -136,9 +135,7 @@ class DHTNode(Server):
         # futures makes its own timeout callback fail)
         tasks = [asyncio.ensure_future(self.protocol.call_leave(n)) for n in contacts]
         done, pending = await asyncio.wait(tasks, timeout=timeout)
-        for t in pending:
-            _BACKGROUND.add(t)
-            t.add_done_callback(_BACKGROUND.discard)
+        keep_running(pending)
         return sum(1 for t in done if t.exception() is None and t.result() is True)
 
     def contacts(self) -> list[Node]:
