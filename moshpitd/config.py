@@ -72,6 +72,15 @@ class Settings:
         "TCP port of the tensor data plane, on the host of grpc_listen; 0 picks any free port",
         note="Any free port is fine on one machine, but a firewall then cannot know which port "
         "to open.", example=7702)
+    data_congestion_control: str = option(
+        Choice(("cubic", "bbr", "reno", "system")), "cubic", NETWORK,
+        "TCP congestion control of the data plane's connections; system: the host's default "
+        "(net.ipv4.tcp_congestion_control)",
+        note="A round runs 2 (n - 1) connections per daemon at once, which share each link's "
+        "queue. With BBR (v1) they overshoot a shallow queue: on 4 hosts at 100 Mbit/s behind "
+        "a 20 ms tbf queue, 10-34 % of the segments were sent again and rounds took 1.42 s; "
+        "with cubic 1-2 % and 1.31 s (docs/wire.md). A kernel without the chosen algorithm "
+        "keeps its default, with a warning.")
     advertise_host: str = option(
         Str("HOST"), "", NETWORK,
         "address peers use to reach this daemon, published in the DHT with its ports; empty: "

@@ -96,7 +96,9 @@ class MoshpitNode:
         self.registry = RoundRegistry(
             config.part_size * 2 + 4096,
             Handshake(self.dht.identity, config.swarm_key, encrypt),
-            stream_wait(config.matchmaking_attempt_timeout))
+            stream_wait(config.matchmaking_attempt_timeout),
+            congestion="" if config.data_congestion_control == "system"
+            else config.data_congestion_control)
         self.metrics.watch_auth(lambda: {
             "dht": self.dht.protocol.rpcs["received", "any", "unauthenticated"]
             if getattr(self.dht, "protocol", None) else 0,

@@ -127,8 +127,10 @@ class _Refused(Channel):
 
 class RoundRegistry:
     def __init__(self, max_payload: int, handshake: Handshake | None = None,
-                 stream_wait: float = 10.0, max_strangers: int = MAX_STRANGERS) -> None:
+                 stream_wait: float = 10.0, max_strangers: int = MAX_STRANGERS,
+                 congestion: str = "") -> None:
         self.max_payload = max_payload
+        self.congestion = congestion  # TCP congestion control of every data connection
         self.stream_wait = stream_wait  # see clock.stream_wait
         self.handshake = handshake or Handshake()
         self.max_strangers = max_strangers
@@ -150,7 +152,7 @@ class RoundRegistry:
                 if len(self.unopened) >= MAX_UNOPENED:  # (not yet connected: cannot drop)
                     return _Refused(None, 0)
             hello = _Hello(self)
-            channel = Channel(hello, self.max_payload)
+            channel = Channel(hello, self.max_payload, self.congestion)
             hello.channel = channel
             return channel
 
@@ -166,7 +168,7 @@ class RoundRegistry:
 
     async def connect(self, endpoint: str, sink: FrameSink) -> Channel:
         host, port = split_endpoint(endpoint)
-        return await connect(host, port, sink, self.max_payload)
+        return await connect(host, port, sink, self.max_payload, congestion=self.congestion)
 
     def register(self, rnd: ButterflyRound) -> None:
         """A round of ours: its streams are admitted from now on, and those already waiting

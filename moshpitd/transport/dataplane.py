@@ -47,7 +47,7 @@ FRAME_SLACK = HEADER.size + TAG  # room a sink's buffer gives past a data frame'
 
 __all__ = ["ABORT", "BAD_VALUES", "BUSY", "FRAME_SLACK", "HEADER", "HELLO", "LEFT", "PART",
            "READY", "RESULT", "Channel", "DataPlaneError", "FrameSink", "TamperedFrame",
-           "connect", "flush_aborts", "serve", "split_endpoint"]
+           "connect", "flush_aborts", "serve", "set_congestion", "split_endpoint"]
 
 
 class DataPlaneError(Exception):
@@ -72,9 +72,11 @@ class FrameSink(Protocol):
 class Channel(asyncio.BufferedProtocol):
     """One TCP connection of the data plane, in either direction."""
 
-    def __init__(self, sink: FrameSink | None = None, max_payload: int = 64 << 20) -> None:
+    def __init__(self, sink: FrameSink | None = None, max_payload: int = 64 << 20,
+                 congestion: str = "") -> None:
         self.sink = sink
         self.max_payload = max_payload
+        self.congestion = congestion  # TCP_CONGESTION for this connection; "": the host's
         self.transport: asyncio.Transport | None = None
         self._hdr = bytearray(HEADER.size)
         self._target = memoryview(self._hdr)
@@ -107,6 +109,8 @@ class Channel(asyncio.BufferedProtocol):
             # On loopback (4 x 32M floats) fixed 8 MiB buffers measured the same daemon CPU.
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.congestion:
+                set_congestion(sock, self.congestion)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._target[self._filled:]
@@ -256,6 +260,22 @@ class Channel(asyncio.BufferedProtocol):
                 self.transport.close()
 
 
+_UNAVAILABLE: set[str] = set()  # congestion controls this kernel refused (warned once each)
+
+
+def set_congestion(sock: socket.socket, name: str) -> None:
+    """The connection's congestion control, if the kernel has it (else its default stays)."""
+    if name in _UNAVAILABLE or not hasattr(socket, "TCP_CONGESTION"):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+    except OSError as exc:
+        _UNAVAILABLE.add(name)
+        log.warning("TCP congestion control %r is not available here (%s): the data plane "
+                    "uses the host's default; load its module or set "
+                    "data_congestion_control = system", name, exc)
+
+
 async def flush_aborts(channels: list[Channel], timeout: float) -> None:
     """Until the ABORTs sent on these channels are out, or `timeout`: an ABORT is queued
     behind the frames written before it, and `close` would drop them all, so the peer would see
@@ -275,7 +295,7 @@ HEDGE_AFTER = 0.25
 
 
 async def connect(host: str, port: int, sink: FrameSink, max_payload: int,
-                  hedge_after: float = HEDGE_AFTER) -> Channel:
+                  hedge_after: float = HEDGE_AFTER, congestion: str = "") -> Channel:
     """A connection to a peer's data plane: the first of two attempts to be up, the second
     started only if the first is not up after `hedge_after`. The loser never reaches the
     sink, whenever it is given up; an error is raised only when both attempts failed."""
@@ -286,7 +306,7 @@ async def connect(host: str, port: int, sink: FrameSink, max_payload: int,
         channels: list[Channel] = []
 
         def channel() -> Channel:  # it exists (and may be connected) before the result does
-            channels.append(Channel(sink, max_payload))
+            channels.append(Channel(sink, max_payload, congestion))
             return channels[-1]
 
         async def run() -> Channel:

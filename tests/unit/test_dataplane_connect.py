@@ -5,6 +5,7 @@ first attempt held back the way a lost SYN holds it."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any
 
@@ -160,3 +161,41 @@ def test_when_both_attempts_fail_the_first_s_error_is_raised(
 
 def test_the_default_hedge_is_well_under_the_kernel_s_syn_timeout() -> None:
     assert 0.05 <= dataplane.HEDGE_AFTER <= 0.5
+
+
+def _available() -> list[str]:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION") or not _available(),
+                    reason="needs Linux's TCP_CONGESTION and its list of algorithms")
+def test_a_connection_takes_the_congestion_control_asked_for(
+        caplog: pytest.LogCaptureFixture) -> None:
+    want = "reno"  # built into every Linux kernel, and nobody's default
+    monkey = "no-such-algorithm"
+
+    async def main() -> tuple[str, str]:
+        server, port, _ = await serve()
+        ch = await connect("127.0.0.1", port, Sink(), 1 << 20, congestion=want)
+        odd = await connect("127.0.0.1", port, Sink(), 1 << 20, congestion=monkey)
+        again = await connect("127.0.0.1", port, Sink(), 1 << 20, congestion=monkey)
+        names = []
+        for c in (ch, odd):
+            assert c.transport is not None
+            sock = c.transport.get_extra_info("socket")
+            names.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+                         .rstrip(b"\0").decode())
+        for c in (ch, odd, again):
+            c.close()
+        server.close()
+        return names[0], names[1]
+
+    ours, fallback = asyncio.run(main())
+    assert ours == want
+    assert fallback in _available()  # the host's default stays
+    warned = [r for r in caplog.records if monkey in r.getMessage()]
+    assert len(warned) == 1  # once, not per connection
