@@ -5,15 +5,22 @@ trainer waits for in `Client.average`, so it includes the IPC hand-off through t
 With --passes K the two systems take turns K times and the ratio is the median of the passes'
 ratios: on a shared machine the background load drifts, and one system measured a minute after
 the other sees a different machine.
+
+With --encrypted, moshpit also runs under a swarm key (every data-plane frame sealed with
+AES-256-GCM), and the table says what encryption cost the daemons: their CPU beyond the plain
+run's, against the cipher's own cost (the bytes they sealed and opened over the speed of
+AES-256-GCM on one core of this machine, measured in the same invocation).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
+import time
 from typing import Any
 
 from bench import allreduce_netns
@@ -60,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-group-size", type=positive, metavar="N",
                    help="moshpit min_group_size (default: --peers, so every round averages all "
                         "peers like gloo does; 2, the client's default, lets rounds split)")
+    p.add_argument("--encrypted", action="store_true",
+                   help="also run moshpit under a swarm key (every frame sealed), and report "
+                        "the daemons' extra CPU against the cipher's own cost")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     p.add_argument("--skip-gloo", action="store_true", help="run moshpit only")
     p.add_argument("--skip-moshpit", action="store_true", help="run gloo only")
@@ -102,12 +112,48 @@ def summarize(s: Samples, peers: int, elems: int) -> dict[str, Any]:
     return row
 
 
+def aes_gcm_speed(total: int = 256 << 20, frame: int = 1 << 20) -> float:
+    """Bytes/s that AES-256-GCM seals on one core here, in place, frame by frame through a
+    buffer far larger than the caches, as the data plane seals parts of a trainer's tensors
+    (best of three: the machine is shared)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead = AESGCM(os.urandom(32))
+    step = frame + 16
+    buf = bytearray(os.urandom(1 << 20) * (total // (1 << 20))) + bytearray(16 * (total // frame))
+    view = memoryview(buf)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for i in range(total // frame):
+            at = i * step
+            aead.encrypt_into(i.to_bytes(12, "little"), view[at:at + frame], b"h" * 24,
+                              view[at:at + step])
+        best = min(best, time.perf_counter() - start)
+    return total / best
+
+
+def cipher_cost(rows: list[dict[str, Any]], passes: list[dict[str, Samples]], speed: float
+                ) -> dict[str, float] | None:
+    """The encrypted row's daemon CPU beyond the plain row's, per round, and the cipher's own
+    cost for the bytes those daemons sealed and opened."""
+    enc = next((r for r in rows if r["system"] == "moshpit-encrypted"), None)
+    plain = next((r for r in rows if r["system"] == "moshpit"), None)
+    if enc is None or plain is None:
+        return None
+    wire = statistics.median(b for p in passes for b in p["moshpit-encrypted"].wire_bytes)
+    extra = enc["daemon_cpu_median_s"] - plain["daemon_cpu_median_s"]
+    cipher = wire / speed
+    return {"aes_gcm_bytes_per_s": speed, "sealed_and_opened_bytes": wire,
+            "cipher_cpu_s": cipher, "extra_cpu_s": extra, "extra_over_cipher": extra / cipher}
+
+
 def fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else "-" if value is None else str(value)
 
 
 def print_table(rows: list[dict[str, Any]], ratio: float | None,
-                ratios: list[float]) -> None:
+                ratios: list[float], cost: dict[str, float] | None = None) -> None:
     cols = [("system", "system"), ("peers", "peers"), ("elems", "elems"),
             ("median_s", "median s"), ("min_s", "min s"), ("max_s", "max s"),
             ("daemon_median_s", "daemon s"), ("matchmaking_median_s", "match s"),
@@ -120,6 +166,13 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None,
               f"passes: {', '.join(f'{r:.2f}' for r in ratios)})")
     elif ratio is not None:
         print(f"\nratio moshpit median / gloo median: {ratio:.2f}x")
+    if cost is not None:
+        print(f"\nencryption: the daemons sealed and opened "
+              f"{cost['sealed_and_opened_bytes'] / 1e9:.2f} GB per round; AES-256-GCM runs at "
+              f"{cost['aes_gcm_bytes_per_s'] / 1e9:.2f} GB/s on one core here, so the cipher "
+              f"itself costs {cost['cipher_cpu_s']:.3f} CPU s; the daemons used "
+              f"{cost['extra_cpu_s']:.3f} CPU s more than without encryption "
+              f"({cost['extra_over_cipher']:.2f}x the cipher's cost)")
     for r in rows:
         if r.get("partial_rounds"):
             print(f"WARNING: in {r['partial_rounds']} of {len(r['samples_s'])} {r['system']} "
@@ -156,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for _ in range(args.passes):
             done: dict[str, Samples] = {}
-            if not args.skip_moshpit:
-                done["moshpit"] = run_moshpit(args.peers, args.elems, args.repeat,
-                                              args.timeout, args.workdir, args.daemon_log_level,
-                                              args.min_group_size, args.codec, args.ipc,
-                                              args.aggregation)
+            for encrypted in ([False, True] if args.encrypted else [False]):
+                if args.skip_moshpit:
+                    break
+                run = run_moshpit(args.peers, args.elems, args.repeat, args.timeout,
+                                  args.workdir, args.daemon_log_level, args.min_group_size,
+                                  args.codec, args.ipc, args.aggregation, encrypted)
+                done[run.system] = run
             if not args.skip_gloo:
                 done["gloo"] = run_gloo(args.peers, args.elems, args.repeat, args.timeout)
             passes.append(done)
@@ -175,14 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [statistics.median(p["moshpit"].seconds) / statistics.median(p["gloo"].seconds)
               for p in passes if {"moshpit", "gloo"} <= p.keys()]
     ratio = statistics.median(ratios) if ratios else None
+    cost = cipher_cost(rows, passes, aes_gcm_speed()) if args.encrypted else None
     if args.json:
         print(json.dumps({"peers": args.peers, "elems": args.elems, "codec": args.codec,
                           "aggregation": args.aggregation,
                           "ipc": args.ipc, "min_group_size": args.min_group_size,
                           "repeat": args.repeat, "passes": args.passes, "rows": rows,
-                          "ratio": ratio, "pass_ratios": ratios}, indent=2))
+                          "ratio": ratio, "pass_ratios": ratios, "encryption": cost},
+                         indent=2))
     else:
-        print_table(rows, ratio, ratios)
+        print_table(rows, ratio, ratios, cost)
     return 0
 
 

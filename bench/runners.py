@@ -24,6 +24,7 @@ class Samples:
     overhead_seconds: list[float] = field(default_factory=list)
     reduce_seconds: list[float] = field(default_factory=list)
     daemon_cpu_seconds: list[float] = field(default_factory=list)  # all daemons, per repeat
+    wire_bytes: list[int] = field(default_factory=list)  # sent plus received, all daemons
     partial_rounds: int = 0  # timed repeats whose peers did not all land in one group
     max_error: float = 0.0
 
@@ -33,7 +34,7 @@ def merge(runs: list[Samples]) -> Samples:
     out = Samples(runs[0].system)
     for s in runs:
         for name in ("seconds", "daemon_seconds", "matchmaking_seconds", "overhead_seconds",
-                     "reduce_seconds", "daemon_cpu_seconds"):
+                     "reduce_seconds", "daemon_cpu_seconds", "wire_bytes"):
             getattr(out, name).extend(getattr(s, name))
         out.partial_rounds += s.partial_rounds
         out.max_error = max(out.max_error, s.max_error)
@@ -60,13 +61,26 @@ def _answers(children: list[Child], timeout: float) -> list[dict[str, Any]]:
 def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
                 workdir: str | None = None, log_level: str = "INFO",
                 min_group_size: int = 2, codec: str = "none", ipc: str = "shared",
-                aggregation: str = "mean") -> Samples:
-    """Daemons from LocalSwarm, one worker process per daemon, stepped with `go` lines."""
+                aggregation: str = "mean", encrypted: bool = False) -> Samples:
+    """Daemons from LocalSwarm, one worker process per daemon, stepped with `go` lines;
+    `encrypted`: under a swarm key, so every data-plane frame is sealed (AES-256-GCM)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
     from moshpitd.launcher import LaunchError, LocalSwarm
 
-    out = Samples("moshpit")
+    out = Samples("moshpit-encrypted" if encrypted else "moshpit")
+    extra: list[str] = []
+    keydir = tempfile.TemporaryDirectory(prefix="moshpit-bench-key-")
+    if encrypted:
+        key_file = Path(keydir.name) / "swarm.key"
+        key_file.write_text(os.urandom(32).hex())
+        key_file.chmod(0o600)
+        extra = ["--swarm-key-file", str(key_file)]
     try:
-        swarm = LocalSwarm(peers, workdir=workdir, log_level=log_level).start()
+        swarm = LocalSwarm(peers, workdir=workdir, log_level=log_level,
+                           extra_args=extra).start()
     except LaunchError as exc:
         raise BenchError(f"moshpit swarm did not start: {exc}") from exc
     try:
@@ -101,6 +115,7 @@ def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
                 out.partial_rounds += sizes[0] != peers
                 out.seconds.append(max(r["seconds"] for r in replies))
                 out.daemon_cpu_seconds.append(cpu)
+                out.wire_bytes.append(2 * sum(r["bytes_sent"] for r in replies))
                 out.daemon_seconds.append(max(r["daemon_seconds"] for r in replies))
                 out.matchmaking_seconds.append(max(r["matchmaking_seconds"] for r in replies))
                 out.reduce_seconds.append(max(r["daemon_seconds"] - r["matchmaking_seconds"]
@@ -114,6 +129,7 @@ def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
     finally:
         dead = [d.name for d in swarm.daemons if not d.alive()]
         codes = swarm.stop()
+        keydir.cleanup()
         if dead or any(codes):
             _log(f"moshpit daemons: died early {dead}, exit codes {codes}")
     return out

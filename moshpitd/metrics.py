@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import platform
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sized
 from typing import Any, Protocol
 
 import grpc
@@ -123,6 +123,12 @@ class Metrics:
         Gauge("moshpitd_data_streams_waiting", "Incoming data-plane streams waiting for a "
               "group this daemon does not hold yet (bounded; more are refused as busy)",
               registry=self.registry).set_function(lambda: plane.strangers)
+        idle = Gauge("moshpitd_data_sessions_idle", "Data-plane connections kept open between "
+                     "streams, by side: opened (ours, for our next stream to that peer) or "
+                     "accepted (waiting for the peer's next stream)", ["side"],
+                     registry=self.registry)
+        idle.labels("opened").set_function(lambda: len(plane.pool))
+        idle.labels("accepted").set_function(lambda: len(plane.idle))
         self.registry.register(_DataPlaneCollector(plane))
 
     def render(self) -> bytes:
@@ -214,6 +220,12 @@ class DataPlaneStats(Protocol):
     def strangers(self) -> int: ...
     @property
     def refused(self) -> Mapping[str, int]: ...
+    @property
+    def streams(self) -> Mapping[tuple[str, str], int]: ...
+    @property
+    def pool(self) -> Sized: ...
+    @property
+    def idle(self) -> Sized: ...
 
 
 class _DataPlaneCollector(Collector):
@@ -230,6 +242,15 @@ class _DataPlaneCollector(Collector):
         for reason in ("busy", "identity", "handshake", "group"):
             family.add_metric([reason], self.plane.refused.get(reason, 0))
         yield family
+        streams = CounterMetricFamily(
+            "moshpitd_data_streams", "Data-plane streams, by side (opened: ours to an owner; "
+            "accepted: a sender's to us) and how they started (handshake: a new connection "
+            "and a signed key exchange; session: on a connection kept from an earlier stream "
+            "with the same peer, no connect and no handshake)", labels=["side", "how"])
+        for side in ("opened", "accepted"):
+            for how in ("handshake", "session"):
+                streams.add_metric([side, how], self.plane.streams.get((side, how), 0))
+        yield streams
 
 
 class _DHTCollector(Collector):

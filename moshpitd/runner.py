@@ -243,7 +243,8 @@ class RoundRunner:
         rnd = ButterflyRound(group, group.index_of(self.me.peer_id), view,
                              get_codec(group.codec), self.registry.connect,
                              self.registry.handshake, self.config.part_size, self.hooks,
-                             aggregation, self.config.max_parts_in_flight)
+                             aggregation, self.config.max_parts_in_flight,
+                             sessions=self.registry)
         self.registry.register(rnd)
         try:
             result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))

@@ -20,7 +20,7 @@ def hello_stream(endpoint: str, swarm: SwarmKey, keys: tuple[PeerKey, PeerKey],
     host, port = endpoint.rsplit(":", 1)
     group = Group(os.urandom(16), "flood", 0, b"s" * 16,
                   tuple(GroupMember(k.peer_id, "", 1.0) for k in keys))
-    wire, _ = Handshake(keys[0], swarm, encrypt=True).hello(group, 0, 1)
+    wire, _ = Handshake(keys[0], swarm, encrypt=True).hello(*group.route_to(1), 0, 1)
     s = socket.create_connection((host, int(port)), timeout=timeout,
                                  source_address=(source, 0) if source else None)
     s.sendall(HEADER.pack(HELLO, 0, 0, 1, len(wire), 0) + wire)

@@ -124,7 +124,7 @@ class FakeLeader:
                 if sender == owner:
                     continue
                 claimed = Handshake(self.peer, self.swarm, encrypt=True)
-                wire, _ = claimed.hello(group, sender, owner)
+                wire, _ = claimed.hello(*group.route_to(owner), sender, owner)
                 if sender % 2:  # the victim's public key, our signature
                     inner = bytearray(self.swarm.open(b"data", _ctx(sender, owner), wire))
                     inner[18:50] = list(self.joins.values())[sender - 1].public_key

@@ -6,17 +6,18 @@ import asyncio
 import functools
 
 from bench.attacks.loop import LoopThread
-from moshpitd.transport.dataplane import HEADER, HELLO
+from moshpitd.transport.dataplane import HEADER, HELLO, PART
 
 
 class Relay:
     """TCP forwarding from `listen_host` to `target_host`, port for port: what an on-path
-    attacker sees. With `tamper` set, it flips one byte inside the first PART of the next data
-    stream it relays to the target, and records the sender index of that stream's HELLO."""
+    attacker sees. With `tamper` set, it flips one byte inside the next PART it relays to the
+    target's data plane, on any connection (a new one, or a session kept from an earlier
+    round), and records the sender index that connection's latest HELLO or ATTACH named."""
 
     def __init__(self, loop: LoopThread, listen_host: str, target_host: str,
-                 ports: list[int], data_port: int, hello_length: int) -> None:
-        self.loop, self.data_port, self.hello_length = loop, data_port, hello_length
+                 ports: list[int], data_port: int) -> None:
+        self.loop, self.data_port = loop, data_port
         self.tamper = False
         self.tampered_sender: int | None = None
         self.servers = [loop.run(asyncio.start_server(
@@ -30,22 +31,38 @@ class Relay:
         except OSError:
             writer.close()
             return
-        flip = None
-        if port == self.data_port and self.tamper:  # a byte well inside the first PART
-            self.tamper, flip = False, HEADER.size + self.hello_length + HEADER.size + 100
-        await asyncio.gather(self._pump(reader, up_writer, flip), self._pump(up_reader, writer),
-                             return_exceptions=True)
+        data_plane = port == self.data_port
+        await asyncio.gather(self._pump(reader, up_writer, data_plane),
+                             self._pump(up_reader, writer), return_exceptions=True)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    flip: int | None = None) -> None:
-        seen = 0
+                    frames: bool = False) -> None:
+        """Forward; with `frames`, follow the data plane's frame boundaries (a header, then
+        `length` bytes) to find the next PART when `tamper` is set."""
+        pending = bytearray()  # bytes of a header not yet whole
+        skip = 0  # payload bytes of the current frame still to pass
+        sender: int | None = None
         try:
             while data := bytearray(await reader.read(1 << 16)):
-                if seen == 0 and flip is not None and data[0] == HELLO and len(data) >= 24:
-                    self.tampered_sender = int.from_bytes(data[16:24], "little")
-                if flip is not None and seen <= flip < seen + len(data):
-                    data[flip - seen] ^= 0x01
-                seen += len(data)
+                at = 0
+                while frames and at < len(data):
+                    if skip:
+                        step = min(skip, len(data) - at)
+                        at, skip = at + step, skip - step
+                        continue
+                    take = min(HEADER.size - len(pending), len(data) - at)
+                    pending += data[at:at + take]
+                    at += take
+                    if len(pending) < HEADER.size:
+                        break
+                    kind, _, _, _, length, aux = HEADER.unpack(pending)
+                    pending.clear()
+                    skip = length
+                    if kind == HELLO:
+                        sender = aux
+                    elif kind == PART and self.tamper and length > 100 and at + 100 < len(data):
+                        self.tamper, self.tampered_sender = False, sender
+                        data[at + 100] ^= 0x01  # a byte well inside the payload
                 writer.write(data)
                 await writer.drain()
         finally:

@@ -40,9 +40,9 @@ from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView
 from moshpitd.allreduce.owner import ReducerSide, SenderSlot
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.rates import link_rates
-from moshpitd.allreduce.sender import Connector, SenderSide
+from moshpitd.allreduce.sender import Connector, SenderSide, Sessions
 from moshpitd.hooks import NO_HOOKS, Hooks
-from moshpitd.transport.dataplane import LEFT, Channel, flush_aborts
+from moshpitd.transport.dataplane import LEFT, Channel, Stats, flush_aborts
 from moshpitd.transport.handshake import Handshake
 
 # How often the round looks again whether every result went out to the transports: they may
@@ -75,7 +75,8 @@ class ButterflyRound:
     def __init__(self, group: Group, my_index: int, view: FlatView, codec: Codec,
                  connect: Connector, handshake: Handshake,
                  part_bytes: int = DEFAULT_PART_BYTES, hooks: Hooks = NO_HOOKS,
-                 aggregation: str = "mean", max_in_flight: int = 64) -> None:
+                 aggregation: str = "mean", max_in_flight: int = 64,
+                 sessions: Sessions | None = None) -> None:
         self.plan = RoundPlan(group, my_index, view, codec, part_bytes)
         self.ledger = Ledger(self.plan)
         self.hooks = hooks
@@ -83,7 +84,11 @@ class ButterflyRound:
         self._connect = connect
         self._handshake = handshake
         self._max_in_flight = max_in_flight
-        self._accepted: list[Channel] = []
+        self._accepted: list[Channel] = []  # senders' streams, while they are ours
+        self._released: list[Stats] = []  # those that ended cleanly, kept as sessions
+        self._sessions = sessions
+        if sessions is not None:
+            self.reducer.release = self._release
         self.rates = (0.0, 0.0)
         # the round starts here: the data plane may hand it streams as soon as it is registered
         # (those that waited for the group), before `run`
@@ -104,12 +109,20 @@ class ButterflyRound:
         self._accepted.append(channel)
         return slot
 
+    def _release(self, channel: Channel) -> None:
+        """A sender's stream ended cleanly: its connection is no longer this round's."""
+        assert self._sessions is not None
+        self._accepted.remove(channel)
+        self._released.append(channel.stats())
+        self._sessions.release(channel)
+
     async def run(self, deadlines: RoundDeadlines) -> RoundResult:
         """The whole round from our side; returns once every part is settled or the hard stop
         came. The trainer's buffer is ours until then, and untouched after."""
         start = time.monotonic()
         sender = SenderSide(self.plan, self.ledger, self._connect, self.hooks, self.reducer,
-                            self._handshake, self._max_in_flight, deadlines.start_wait_until)
+                            self._handshake, self._max_in_flight, deadlines.start_wait_until,
+                            self._sessions)
         sender.start(deadlines.deadline)
         self.reducer.seed_own()
         leaving = False
@@ -136,9 +149,12 @@ class ButterflyRound:
                     await flush_aborts([*sender.channels, *self._accepted], deadlines.grace)
             finally:
                 sent = received = 0
-                self.rates = link_rates([*sender.channels, *self._accepted])
-                for ch in [*sender.channels, *self._accepted]:
-                    sent, received = sent + ch.bytes_out, received + ch.bytes_in
+                streams = [*sender.channels, *self._accepted]
+                stats = [*(ch.stats() for ch in streams), *sender.finished, *self._released]
+                self.rates = link_rates(stats)
+                for st in stats:
+                    sent, received = sent + st.bytes_out, received + st.bytes_in
+                for ch in streams:
                     ch.close()  # nothing is received into staging buffers after this
                 self.ledger.close()
         if log.isEnabledFor(logging.DEBUG):

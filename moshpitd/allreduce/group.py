@@ -50,6 +50,11 @@ class Group:
                   [list(astuple(m)) for m in self.members]]
         return hashlib.sha256(DIGEST_DOMAIN + msgpack.packb(fields, use_bin_type=True)).digest()
 
+    def route_to(self, receiver: int) -> tuple[bytes, bytes, bytes]:
+        """What a data-plane handshake to member `receiver` binds to (transport/handshake.py):
+        the id streams are routed by, the digest, and the receiver's peer id."""
+        return self.group_id, self.digest, self.members[receiver].peer_id
+
     @property
     def listeners(self) -> int:
         """Bitmask of the members of weight 0 (a joiner, say) in a group that has a weighted

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,10 +32,12 @@ from moshpitd.transport.dataplane import (
     RESULT,
     Channel,
     DataPlaneError,
+    Stats,
     TamperedFrame,
 )
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
+
 
 
 class Outbox(asyncio.Queue[int]):
@@ -65,6 +68,8 @@ class SenderSlot:
         self.expected = set() if listener else {p.index for p in side.plan.my_parts}
         self.staging = side.ledger.staging()
         self.outbox = Outbox()
+        self.released: Stats | None = None  # the stream ended cleanly: its connection is
+        # the registry's again (a kept session), and these were its bytes
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != PART:
@@ -103,6 +108,9 @@ class SenderSlot:
             self.side.exclude(self.sender, f"its stream closed ({exc or 'EOF'})",
                               "disconnected")
 
+    def progress(self) -> int:
+        return self.released.progress() if self.released else self.channel.progress()
+
     def drained(self) -> bool:
         transport = self.channel.transport
         return self.outbox.empty() and (transport is None or transport.is_closing()
@@ -119,11 +127,36 @@ class SenderSlot:
             payload = await self.side.hooks.before_result(sent, payload, self.plan.codec,
                                                           p.numel, self.plan.dtypes[p.run])
             sent += 1
+            last = sent == len(self.plan.my_parts) and not self.expected
             try:
-                await self.channel.send(RESULT, index, payload, aux=mask)
+                await self.channel.send(RESULT, index, payload, aux=mask,
+                                        then=self._release if last else None)
             except DataPlaneError:
                 self.outbox.close()
                 return  # the sender is gone; its link will report that on its side
+            if last:
+                return
+
+    def _release(self) -> None:
+        """Every part came in and this is the last result: the connection may carry the
+        sender's next stream. Handed on as the result is queued, before the sender can answer
+        it (its next frame may be a new stream's ATTACH). The result may still wait in our
+        send buffer, as views of the trainer's buffer: the round waits for it to drain as
+        before (`drained`), and drops it if the round ends first (`abort_undrained`)."""
+        side = self.side
+        if side.release is None or side.ledger.closed or not self.channel.is_open() \
+                or side.reducer.excluded >> self.sender & 1:
+            return
+        self.released = self.channel.stats()
+        side.release(self.channel)
+
+    def abort_undrained(self) -> None:
+        """The round is over: a handed-on connection still holding this round's result (a
+        view of the trainer's buffer) is closed, its bytes dropped, as the round's own are."""
+        transport = self.channel.transport
+        if self.released is not None and transport is not None \
+                and transport.get_write_buffer_size() > 0:
+            self.channel.close()
 
 
 class ReducerSide:
@@ -139,6 +172,8 @@ class ReducerSide:
                                    aggregation=aggregation, listeners=plan.group.listeners)
         self.slots: dict[int, SenderSlot] = {}
         self.excluded_parts: dict[str, int] = {}  # fault kind -> parts
+        # where a sender's connection goes once its stream ended cleanly (a kept session)
+        self.release: Callable[[Channel], None] | None = None
         self._payloads: dict[int, memoryview] = {}
         self._pending = {p.index for p in plan.my_parts}
         self._done = asyncio.Event()
@@ -213,7 +248,7 @@ class ReducerSide:
         for index in self.reducer.exclude(sender):
             self._finalise(index)
         slot = self.slots.get(sender)
-        if slot is not None:
+        if slot is not None and slot.released is None:
             slot.channel.abort(f"excluded: {why}")
 
     def lost(self, sender: int, why: str, fault: str) -> None:
@@ -275,7 +310,7 @@ class ReducerSide:
             final = len(self.plan.my_parts) - len(self._pending)
             for sender in self._incomplete_senders():
                 slot = self.slots.get(sender)
-                got = slot.channel.progress() if slot is not None else 0
+                got = slot.progress() if slot is not None else 0
                 # a sender a full window ahead of our answers waits for us (for a slower
                 # member), not the other way round: it is not silent
                 delivered = len(self.plan.my_parts) - self.reducer.lacking(sender)
@@ -307,7 +342,7 @@ class ReducerSide:
         return all(slot.drained() for slot in self.slots.values())
 
     def progress(self) -> int:
-        return sum(slot.channel.progress() for slot in self.slots.values())
+        return sum(slot.progress() for slot in self.slots.values())
 
     def _incomplete_senders(self) -> list[int]:
         """Senders some of our parts still wait for."""
@@ -322,3 +357,5 @@ class ReducerSide:
         self.reducer.settle()
         for w in self._writers:
             w.cancel()
+        for slot in self.slots.values():
+            slot.abort_undrained()

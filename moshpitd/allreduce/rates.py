@@ -18,12 +18,18 @@ MIN_TIMED_BYTES = 256 << 10  # a connection that moved less each way teaches no 
 
 
 class Timed(Protocol):
-    bytes_in: int
-    bytes_out: int
-    first_in: float
-    last_in: float
-    first_out: float
-    last_out: float
+    @property
+    def bytes_in(self) -> int: ...
+    @property
+    def bytes_out(self) -> int: ...
+    @property
+    def first_in(self) -> float: ...
+    @property
+    def last_in(self) -> float: ...
+    @property
+    def first_out(self) -> float: ...
+    @property
+    def last_out(self) -> float: ...
 
 
 def link_rates(channels: Iterable[Timed]) -> tuple[float, float]:

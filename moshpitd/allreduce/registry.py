@@ -9,6 +9,13 @@ it is full, a new one is refused with BUSY and its sender opens it again a momen
 which time a legitimate group is ours. So strangers that fill the table (a flood of HELLOs with
 made-up group ids) delay nobody's round and refuse none. Connections that have not said HELLO
 yet are bounded too, the oldest dropped first: a legitimate one says HELLO at once.
+
+Sessions (transport/session.py): a stream that ended cleanly leaves its connection open. The
+connections we opened wait in `pool` for our next stream to that peer; those we accepted wait
+here, idle, for the opener's ATTACH, which is routed like a HELLO (it may name a group we do not
+hold yet) and admitted without a handshake: the session already proved who is at its other end,
+so it is taken only as a member with that peer id, for a group with that digest. Idle sessions
+are bounded (MAX_IDLE, the oldest closed first) and close after ACCEPTED_IDLE_SECONDS.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from moshpitd.allreduce.butterfly import ButterflyRound
@@ -32,6 +39,14 @@ from moshpitd.transport.dataplane import (
     split_endpoint,
 )
 from moshpitd.transport.handshake import Handshake, HandshakeError, Hello, UnsealedHello
+from moshpitd.transport.session import (
+    ACCEPTED_IDLE_SECONDS,
+    ATTACH,
+    MAX_IDLE,
+    Attach,
+    SessionPool,
+    stream_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +126,52 @@ class _Waiting:
     """A stream that waits for a group we do not hold yet."""
 
     channel: Channel
-    hello: Hello
+    hello: Hello | Attach
     sender: int
     receiver: int
     since: float
-    sink: _Hello | None = None
+    sink: _Hello | _Resume | None = None
     timer: asyncio.TimerHandle | None = None
+
+
+class _Resume:
+    """An idle session we accepted: the next frame is the opener's ATTACH for a new stream."""
+
+    def __init__(self, registry: RoundRegistry, channel: Channel) -> None:
+        self.registry = registry
+        self.channel = channel
+        self.waiting: _Waiting | None = None
+        registry.idle[self] = asyncio.get_running_loop().call_later(
+            registry.idle_seconds, self.expire)
+
+    def expire(self) -> None:
+        self._attached()
+        self.channel.close()
+
+    def _attached(self) -> None:
+        timer = self.registry.idle.pop(self, None)
+        if timer is not None:
+            timer.cancel()
+
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        if kind != HELLO or length != ATTACH.size:
+            raise DataPlaneError(f"frame kind {kind} of {length} bytes on an idle session, "
+                                 "not an ATTACH")
+        return None
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        assert self.channel.transport is not None
+        self._attached()
+        attach = Attach.unpack(payload)
+        if (attach.sender, attach.receiver) != (aux, part):
+            raise DataPlaneError("the ATTACH's indices differ from its frame's")
+        self.channel.transport.pause_reading()  # until it is attached to its round
+        self.registry.route(self.channel, attach, aux, part, self)
+
+    def on_close(self, exc: BaseException | None) -> None:
+        self._attached()
+        if self.waiting is not None:
+            self.registry.forget(self.waiting)
 
 
 class _Refused(Channel):
@@ -144,6 +199,12 @@ class RoundRegistry:
         # stops waiting for us instead of waiting stream_wait (insertion-ordered, bounded)
         self._finished: dict[bytes, None] = {}
         self.server: asyncio.Server | None = None
+        self.pool: SessionPool[Channel] = SessionPool()  # sessions we opened, idle
+        self.idle: OrderedDict[_Resume, asyncio.TimerHandle] = OrderedDict()  # we accepted
+        self.idle_seconds = ACCEPTED_IDLE_SECONDS
+        # streams by side (opened, accepted) and how (handshake: a new connection; session:
+        # on a kept one, no connect and no handshake)
+        self.streams: Counter[tuple[str, str]] = Counter()
 
     async def start(self, host: str, port: int) -> int:
         def accept() -> Channel:
@@ -162,13 +223,36 @@ class RoundRegistry:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+        self.pool.close()
+        for resume in list(self.idle):
+            resume.expire()
         for entries in list(self._waiting.values()):
             for entry in list(entries):
                 self.forget(entry)
 
     async def connect(self, endpoint: str, sink: FrameSink) -> Channel:
         host, port = split_endpoint(endpoint)
+        self.streams["opened", "handshake"] += 1
         return await connect(host, port, sink, self.max_payload, congestion=self.congestion)
+
+    # --- sessions (transport/session.py's Sessions) ------------------------------------
+    def take(self, endpoint: str, peer_id: bytes) -> Channel | None:
+        channel = self.pool.take(endpoint, peer_id)
+        if channel is not None:
+            self.streams["opened", "session"] += 1
+        return channel
+
+    def keep(self, endpoint: str, channel: Channel) -> None:
+        self.pool.keep(endpoint, channel)
+
+    def release(self, channel: Channel) -> None:
+        if channel.session is None or not channel.is_open():
+            channel.close()
+            return
+        channel.cipher = channel.session.control
+        channel.sink = _Resume(self, channel)
+        while len(self.idle) > MAX_IDLE:
+            next(iter(self.idle)).expire()
 
     def register(self, rnd: ButterflyRound) -> None:
         """A round of ours: its streams are admitted from now on, and those already waiting
@@ -186,11 +270,12 @@ class RoundRegistry:
         while len(self._finished) > MAX_FINISHED:
             del self._finished[next(iter(self._finished))]
 
-    def route(self, channel: Channel, hello: Hello, sender: int, receiver: int,
-              sink: _Hello | None = None) -> None:
-        """A stream whose HELLO checked out in form: to its round, or to wait for it."""
+    def route(self, channel: Channel, hello: Hello | Attach, sender: int, receiver: int,
+              sink: _Hello | _Resume | None = None) -> None:
+        """A stream whose HELLO (or ATTACH) checked out in form: to its round, or to wait for
+        it."""
         now = time.monotonic()
-        gid = hello.group_id
+        gid = hello.route
         rnd = self._rounds.get(gid)
         if rnd is not None:
             self._admit(rnd, channel, hello, sender, receiver, now)
@@ -212,17 +297,17 @@ class RoundRegistry:
 
     def forget(self, entry: _Waiting) -> None:
         """A waiting stream closed: it waits no more."""
-        waiting = self._waiting.get(entry.hello.group_id)
+        waiting = self._waiting.get(entry.hello.route)
         if waiting is not None and entry in waiting:
             waiting.remove(entry)
             if not waiting:
-                del self._waiting[entry.hello.group_id]
+                del self._waiting[entry.hello.route]
             self._unwait(entry)
 
     def _expire(self, entry: _Waiting) -> None:
         self.forget(entry)
         self._refuse(entry.channel, REFUSED_GROUP, entry.sender, entry.since,
-                     f"no group {entry.hello.group_id.hex()[:8]} here after "
+                     f"no group {entry.hello.route.hex()[:8]} here after "
                      f"{self.stream_wait:.0f} s")
 
     def _unwait(self, entry: _Waiting) -> None:
@@ -232,9 +317,10 @@ class RoundRegistry:
         if entry.sink is not None:
             entry.sink.waiting = None
 
-    def _admit(self, rnd: ButterflyRound, channel: Channel, hello: Hello, sender: int,
+    def _admit(self, rnd: ButterflyRound, channel: Channel, hello: Hello | Attach, sender: int,
                receiver: int, since: float) -> None:
-        """Attach a stream to our round if its handshake proves it is member `sender`'s."""
+        """Attach a stream to our round if its handshake (or its session) proves it is member
+        `sender`'s."""
         try:
             if receiver != rnd.me:
                 raise DataPlaneError(f"stream meant for member {receiver}, this is {rnd.me}")
@@ -242,14 +328,39 @@ class RoundRegistry:
         except DataPlaneError as exc:
             self._refuse(channel, REFUSED_GROUP, sender, since, str(exc))
             return
+        if isinstance(hello, Attach):
+            self._resume(rnd, channel, hello, sender, since)
+            return
         try:
-            ready, cipher = self.handshake.accept(hello, rnd.group, sender, rnd.me)
+            ready, cipher, session = self.handshake.accept(
+                hello, rnd.group.digest, rnd.group.members[sender].peer_id, sender, rnd.me)
         except HandshakeError as exc:
             self._refuse(channel, REFUSED_IDENTITY, sender, since, f"refused: {exc}")
             return
         channel.sink = rnd.accept(sender, channel)
+        self.streams["accepted", "handshake"] += 1
         channel.send_nowait(READY, rnd.me, ready)  # the last frame in the clear
-        channel.cipher = cipher
+        channel.cipher, channel.session = cipher, session
+        if channel.transport is not None and not channel.transport.is_closing():
+            channel.transport.resume_reading()
+
+    def _resume(self, rnd: ButterflyRound, channel: Channel, attach: Attach, sender: int,
+                since: float) -> None:
+        """A stream on a kept session: its peer proved its key when the session opened."""
+        session = channel.session
+        if session is None or session.peer_id != rnd.group.members[sender].peer_id:
+            self._refuse(channel, REFUSED_IDENTITY, sender, since,
+                         f"refused: the session's peer is not member {sender}")
+            return
+        if attach.digest != rnd.group.digest:
+            self._refuse(channel, REFUSED_IDENTITY, sender, since,
+                         "refused: another view of the group")
+            return
+        channel.sink = rnd.accept(sender, channel)
+        channel.reset_stats()
+        channel.send_nowait(READY, rnd.me)  # sealed with the session's control keys
+        channel.cipher = session.next_stream(stream_context(attach.digest, sender, rnd.me))
+        self.streams["accepted", "session"] += 1
         if channel.transport is not None and not channel.transport.is_closing():
             channel.transport.resume_reading()
 

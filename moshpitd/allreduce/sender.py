@@ -34,13 +34,29 @@ from moshpitd.transport.dataplane import (
     Channel,
     DataPlaneError,
     FrameSink,
+    Stats,
     TamperedFrame,
 )
 from moshpitd.transport.handshake import Handshake, HandshakeError, Pending
+from moshpitd.transport.session import Attach, stream_context
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
 Connector = Callable[[str, FrameSink], Awaitable[Channel]]
+
+
+class Sessions(Protocol):
+    """Where a round's streams leave their connections (allreduce/registry.py, on
+    transport/session.py)."""
+
+    def take(self, endpoint: str, peer_id: bytes) -> Channel | None:
+        """An idle session we opened to that peer, or None."""
+
+    def keep(self, endpoint: str, channel: Channel) -> None:
+        """A stream we opened ended cleanly: keep its connection for our next one."""
+
+    def release(self, channel: Channel) -> None:
+        """A stream we accepted ended cleanly: wait on its connection for the peer's next."""
 # An owner that has no room for our stream yet (BUSY: it does not know our group, and strangers
 # fill its table) hears from us again after BUSY_RETRY, doubling up to BUSY_RETRY_MAX: protocol
 # constants, the time for our group to reach it (a GroupInfo on the way), not a round's deadline.
@@ -110,16 +126,31 @@ class OwnerLink:
         self.handshake: Handshake | None = None
         self.answered = asyncio.Event()  # READY proved the owner, or BUSY, or it failed
         self.busy = False
+        self.unready = False  # our HELLO or ATTACH went out, the owner's READY did not come
+        self.resumed = False  # the attempt runs on a kept session (ATTACH, not HELLO)
+        self.stale = False  # ... and that session was gone before its READY
+        self.context = stream_context(plan.group.digest, plan.me, owner)
+        self.whole = True  # every result so far counts our part (so the owner kept it all)
         self.sent_at = 0.0  # when our last part went to the transport (the phase log's)
 
-    def opening(self, channel: Channel, handshake: Handshake, pending: Pending) -> None:
-        """A new attempt at the stream: `pending` is the HELLO we sent on `channel`."""
+    def opening(self, channel: Channel, handshake: Handshake, pending: Pending | None) -> None:
+        """A new attempt at the stream: `pending` is the HELLO we sent on `channel`, or None
+        for the ATTACH on a kept session."""
         self.channel, self.handshake, self.pending = channel, handshake, pending
-        self.busy = False
+        self.busy = self.stale = False
+        self.unready, self.resumed = True, pending is None
         self.answered.clear()
 
+    def reusable(self) -> bool:
+        """The stream ended cleanly both ways: every part in at the owner, every result here,
+        nothing said against it. Its connection can carry our next stream to this peer."""
+        ch = self.channel
+        return (ch is not None and ch.is_open() and ch.session is not None and self.whole
+                and not self.waiting and self.failure is None and not self.told
+                and not self.unready)
+
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        if self.pending is not None and kind not in (READY, ABORT):
+        if self.unready and kind not in (READY, ABORT):
             raise DataPlaneError(f"owner {self.owner} sent frame kind {kind} before its READY")
         if kind != RESULT:
             return None
@@ -135,7 +166,7 @@ class OwnerLink:
         if kind == READY:
             self._proven(payload)
             return
-        if kind == ABORT and aux == BUSY and self.pending is not None:
+        if kind == ABORT and aux == BUSY and self.unready:
             self.busy = True  # no room for us there yet: the stream opens again
             self.answered.set()
             return
@@ -157,6 +188,8 @@ class OwnerLink:
         if aux and (aux >> self.plan.size):
             self.fail(f"result {part} names members that do not exist")
             return
+        if not (self.plan.listening or aux >> self.plan.me & 1):
+            self.whole = False  # the owner lacks our part: it will not keep the stream
         if aux:
             values = self.plan.codec.decode(payload, p.numel, self.plan.dtypes[p.run])
             if all_finite(values):
@@ -168,22 +201,36 @@ class OwnerLink:
         self.ledger.apply(part, aux)
         self.waiting.discard(part)
         if not self.waiting:
+            if self.reusable():  # the owner handed the session on as it sent this: what
+                assert self.channel is not None and self.channel.session is not None
+                self.channel.cipher = self.channel.session.control  # comes next is sealed so
             self.done.set()
         self.progress.set()
 
     def _proven(self, ready: memoryview) -> None:
         """The owner's READY: it must prove the owner's key and answer our HELLO; the stream
         is sealed from the next frame on when the daemons encrypt."""
-        if self.pending is None or self.handshake is None or self.channel is None:
+        if not self.unready or self.handshake is None or self.channel is None:
             self.fail("READY that answers no HELLO of ours")
             return
-        try:
-            self.channel.cipher = self.handshake.finish(self.pending, ready)
-        except HandshakeError as exc:
-            self.fail(f"it did not prove to be member {self.owner}: {exc}")
-            self.channel.abort(f"refused READY: {exc}")
-            return
-        self.pending = None
+        if self.resumed:  # opened with the session's control keys: the session vouches
+            session = self.channel.session
+            assert session is not None
+            if len(ready):
+                self.fail("a kept session's READY carries nothing")
+                self.channel.abort("malformed READY")
+                return
+            self.channel.cipher = session.next_stream(self.context)
+        else:
+            assert self.pending is not None
+            try:
+                self.channel.cipher, self.channel.session = self.handshake.finish(
+                    self.pending, ready)
+            except HandshakeError as exc:
+                self.fail(f"it did not prove to be member {self.owner}: {exc}")
+                self.channel.abort(f"refused READY: {exc}")
+                return
+        self.pending, self.unready = None, False
         self.answered.set()
         self._mark_ready()
 
@@ -196,6 +243,10 @@ class OwnerLink:
         to us as a sender, which would otherwise leave us waiting for the deadline. Closed
         after an ABORT: that said what happened, and is not counted again."""
         if self.failure is not None or self.told or self.busy:
+            return
+        if self.resumed and self.unready:  # a kept session that died idle (its peer
+            self.stale = True              # restarted, or closed it): open a fresh one
+            self.answered.set()
             return
         if isinstance(exc, TamperedFrame):  # the path, not necessarily its daemon, is bad
             self.fail(f"its results were tampered with: {exc}")
@@ -231,9 +282,11 @@ class SenderSide:
 
     def __init__(self, plan: RoundPlan, ledger: Ledger, connect: Connector, hooks: Hooks,
                  exclusions: Exclusions, handshake: Handshake,
-                 max_in_flight: int, start_wait_until: float) -> None:
+                 max_in_flight: int, start_wait_until: float,
+                 sessions: Sessions | None = None) -> None:
         self.plan = plan
         self.connect = connect
+        self.sessions = sessions  # kept connections, and where ours go once clean
         self.hooks = hooks
         self.handshake = handshake  # our peer key: owners take only streams that prove it
         self.max_in_flight = max_in_flight
@@ -242,7 +295,8 @@ class SenderSide:
         self.gate = ReadyGate(len(owners), start_wait_until)
         self.links = [OwnerLink(plan, ledger, o, ps, self.gate, exclusions)
                       for o, ps in owners.items()]
-        self.channels: list[Channel] = []
+        self.channels: list[Channel] = []  # this round's, still ours
+        self.finished: list[Stats] = []  # streams whose connections went back to the pool
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self, deadline: float) -> None:
@@ -258,7 +312,8 @@ class SenderSide:
             link.fail(why)
 
     def progress(self) -> int:
-        return sum(ch.progress() for ch in self.channels)
+        return (sum(ch.progress() for ch in self.channels)
+                + sum(st.progress() for st in self.finished))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -283,6 +338,10 @@ class SenderSide:
                 await channel.send(PART, p.index, *codec.encode_pieces(view.views(p)))
             link.sent_at = time.monotonic()
             await link.done.wait()
+            if self.sessions is not None and link.reusable():
+                self.channels.remove(channel)
+                self.finished.append(channel.stats())
+                self.sessions.keep(self.plan.group.members[link.owner].data_endpoint, channel)
         except ConnectionRefusedError as exc:
             # nobody listens there: it died, so do not wait for its parts either
             link.fail(f"cannot connect: {exc!r}")
@@ -300,15 +359,38 @@ class SenderSide:
     async def _open(self, link: OwnerLink) -> Channel:
         """Our stream to `link`'s owner, its handshake done (or the link failed). An owner
         that has no room for it yet (BUSY) is asked again."""
-        member = self.plan.group.members[link.owner]
+        group, me = self.plan.group, self.plan.me
+        member = group.members[link.owner]
         retry = BUSY_RETRY
+        fresh = self.sessions is None
         while True:
-            channel = await self.connect(member.data_endpoint, link)
-            self.channels.append(channel)
-            hello, pending = self.handshake.hello(self.plan.group, self.plan.me, link.owner)
-            link.opening(channel, self.handshake, pending)
-            await channel.send(HELLO, link.owner, hello, aux=self.plan.me)
-            await link.answered.wait()
+            kept = None
+            if not fresh and self.sessions is not None:
+                kept = self.sessions.take(member.data_endpoint, member.peer_id)
+            if kept is not None:  # no connect, no handshake: ATTACH under its control keys
+                channel = kept
+                self.channels.append(channel)
+                channel.sink = link
+                channel.reset_stats()
+                link.opening(channel, self.handshake, None)
+                attach = Attach(group.group_id, group.digest, me, link.owner)
+                try:
+                    await channel.send(HELLO, link.owner, attach.pack(), aux=me)
+                except DataPlaneError:  # it closed as we took it
+                    link.stale = True
+            else:
+                channel = await self.connect(member.data_endpoint, link)
+                self.channels.append(channel)
+                hello, pending = self.handshake.hello(*group.route_to(link.owner), me,
+                                                      link.owner)
+                link.opening(channel, self.handshake, pending)
+                await channel.send(HELLO, link.owner, hello, aux=me)
+            if not link.stale:
+                await link.answered.wait()
+            if link.stale:  # that session was gone: a new connection, at once
+                self.channels.remove(channel)
+                fresh = True
+                continue
             if not link.busy:
                 return channel
             channel.sink = None  # its close is no news to the link

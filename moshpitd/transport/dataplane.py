@@ -30,9 +30,14 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import Protocol, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 from moshpitd.transport.framecrypt import TAG, FrameCipher, TamperedFrame
+from moshpitd.transport.tcp import set_congestion
+
+if TYPE_CHECKING:
+    from moshpitd.transport.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ FRAME_SLACK = HEADER.size + TAG  # room a sink's buffer gives past a data frame'
 
 __all__ = ["ABORT", "BAD_VALUES", "BUSY", "FRAME_SLACK", "HEADER", "HELLO", "LEFT", "PART",
            "READY", "RESULT", "Channel", "DataPlaneError", "FrameSink", "TamperedFrame",
-           "connect", "flush_aborts", "serve", "set_congestion", "split_endpoint"]
+           "connect", "flush_aborts", "serve", "split_endpoint"]
 
 
 class DataPlaneError(Exception):
@@ -69,6 +74,21 @@ class FrameSink(Protocol):
         """The connection is gone."""
 
 
+@dataclass(frozen=True)
+class Stats:
+    """A stream's bytes each way and when its first and last bytes moved."""
+
+    bytes_in: int
+    bytes_out: int
+    first_in: float
+    last_in: float
+    first_out: float
+    last_out: float
+
+    def progress(self) -> int:
+        return self.bytes_in + self.bytes_out
+
+
 class Channel(asyncio.BufferedProtocol):
     """One TCP connection of the data plane, in either direction."""
 
@@ -85,6 +105,7 @@ class Channel(asyncio.BufferedProtocol):
         self._frame: tuple[int, int, int, int, int] | None = None  # kind, part, plain, aux,
         # and wire length
         self.cipher: FrameCipher | None = None  # set once the handshake is done: frames sealed
+        self.session: Session | None = None  # set by the first stream's handshake (session.py)
         self._aad = b""  # a sealed frame's header, which its tag authenticates
         self.failure: BaseException | None = None  # why we aborted: the sink hears it on close
         self._can_write = asyncio.Event()
@@ -95,7 +116,23 @@ class Channel(asyncio.BufferedProtocol):
         self.aborted = False  # we sent ABORT: the transport closes once its bytes are out
         self.bytes_in = 0
         self.bytes_out = 0
+        self._written = 0  # bytes handed to the transport since the connection opened
         # monotonic times of the first and last bytes each way (allreduce/rates.py)
+        self.first_in = self.last_in = self.first_out = self.last_out = 0.0
+
+    def is_open(self) -> bool:
+        return (self.transport is not None and not self.transport.is_closing()
+                and not self.closed.done())
+
+    def stats(self) -> Stats:
+        """This stream's bytes and times (allreduce/rates.py), frozen: a session carries the
+        next stream's after `reset_stats`."""
+        return Stats(self.bytes_in, self.bytes_out, self.first_in, self.last_in,
+                     self.first_out, self.last_out)
+
+    def reset_stats(self) -> None:
+        """A new stream starts on this connection (a session's): its own bytes and times."""
+        self.bytes_in = self.bytes_out = 0
         self.first_in = self.last_in = self.first_out = self.last_out = 0.0
 
     # --- asyncio protocol ---------------------------------------------------------------
@@ -190,28 +227,35 @@ class Channel(asyncio.BufferedProtocol):
         self._can_write.set()
 
     # --- sending ------------------------------------------------------------------------
-    async def send(self, kind: int, part: int, *payload: memoryview | bytes, aux: int = 0) -> None:
+    async def send(self, kind: int, part: int, *payload: memoryview | bytes, aux: int = 0,
+                   then: Callable[[], None] | None = None) -> None:
         """Queue one frame; waits while the socket's buffer is full (flow control). Header
         and payloads go to the transport at once: uvloop sends them with one writev and keeps
         views of what the socket did not take yet (no copy; a 24-byte header written alone
-        would cost a syscall and, with TCP_NODELAY, a packet of its own)."""
+        would cost a syscall and, with TCP_NODELAY, a packet of its own). `then` runs as soon
+        as the frame is queued, before anything else can be received: a stream's last frame
+        hands the connection on (session.py) before the peer can answer it."""
         if self.transport is None or self.transport.is_closing():
             raise DataPlaneError("connection closed")
         length = sum(len(p) for p in payload)
         if self.cipher is None:
             self.transport.writelines((HEADER.pack(kind, 0, 0, part, length, aux), *payload))
             self.bytes_out += HEADER.size + length
+            self._written += HEADER.size + length
         else:  # sealed into a buffer that is reused once its bytes have left
             header = HEADER.pack(kind, 0, 0, part, length + TAG, aux)
-            released = self.bytes_out - self.transport.get_write_buffer_size()
+            released = self._written - self.transport.get_write_buffer_size()
             buf = self.cipher.buffers.take(length + TAG, released)
             sealed = memoryview(buf)[:length + TAG]
             self.cipher.seal_into(header, payload, sealed)
             self.transport.writelines((header, sealed))
             self.bytes_out += HEADER.size + length + TAG
-            self.cipher.buffers.hold(buf, self.bytes_out)
+            self._written += HEADER.size + length + TAG
+            self.cipher.buffers.hold(buf, self._written)
         if not self.first_out:
             self.first_out = time.monotonic()
+        if then is not None:
+            then()
         if not self._can_write.is_set():
             await self._can_write.wait()
         self.last_out = time.monotonic()  # the socket took all but its low-water mark
@@ -233,6 +277,7 @@ class Channel(asyncio.BufferedProtocol):
                 frame = header + self.cipher.seal(header, payload)
             self.transport.write(frame)
             self.bytes_out += len(frame)
+            self._written += len(frame)
 
     def abort(self, exc: BaseException | str, part: int = 0, code: int = 0) -> None:
         """Tell the peer why (best effort) and drop the connection."""
@@ -258,22 +303,6 @@ class Channel(asyncio.BufferedProtocol):
                 self.transport.abort()
             else:
                 self.transport.close()
-
-
-_UNAVAILABLE: set[str] = set()  # congestion controls this kernel refused (warned once each)
-
-
-def set_congestion(sock: socket.socket, name: str) -> None:
-    """The connection's congestion control, if the kernel has it (else its default stays)."""
-    if name in _UNAVAILABLE or not hasattr(socket, "TCP_CONGESTION"):
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
-    except OSError as exc:
-        _UNAVAILABLE.add(name)
-        log.warning("TCP congestion control %r is not available here (%s): the data plane "
-                    "uses the host's default; load its module or set "
-                    "data_congestion_control = system", name, exc)
 
 
 async def flush_aborts(channels: list[Channel], timeout: float) -> None:

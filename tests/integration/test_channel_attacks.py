@@ -38,7 +38,6 @@ from moshpitd.matchmaking.leading import PROTOCOL_VERSION
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import JOIN
-from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.security import Security
 from tests.integration.helpers import active_keys, run_parallel, scrape, wait_until
 from tests.integration.test_grid import check_round
@@ -72,8 +71,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     loop = LoopThread()
     swarm = LocalSwarm(2, workdir=tmp, extra_args=args).start()
     gport, dport = free_port("127.0.0.2"), free_port("127.0.0.2")
-    relay = Relay(loop, "127.0.0.3", "127.0.0.2", [gport, dport], dport,
-                  Handshake(PeerKey.generate(), key).hello_length)
+    relay = Relay(loop, "127.0.0.3", "127.0.0.2", [gport, dport], dport)
     try:  # d2 listens on 127.0.0.2 and tells its peers 127.0.0.3: the relay's address
         swarm.daemons.append(start_daemon(
             "d2", tmp, [swarm.daemons[0].dht], extra_args=[

@@ -29,13 +29,22 @@ def sides(encrypt: bool = True, swarm: SwarmKey | None = SWARM) -> tuple[Handsha
     return Handshake(KEYS[0], swarm, encrypt), Handshake(KEYS[1], swarm, encrypt)
 
 
+def accept(owner: Handshake, wire: bytes, g: Group, sender: int = 0, receiver: int = 1
+           ) -> tuple[bytes, FrameCipher | None]:
+    """The owner's READY and cipher for a HELLO from member `sender` of `g`."""
+    hello = owner.open_hello(wire, sender, receiver)
+    ready, cipher, _ = owner.accept(hello, g.digest, g.members[sender].peer_id, sender,
+                                    receiver)
+    return ready, cipher
+
+
 def handshake(encrypt: bool = True) -> tuple[FrameCipher | None, FrameCipher | None]:
     """A whole handshake from member 0 to member 1: (the sender's cipher, the owner's)."""
     sender, owner = sides(encrypt)
-    wire, pending = sender.hello(group(), 0, 1)
+    wire, pending = sender.hello(*group().route_to(1), 0, 1)
     assert len(wire) == owner.hello_length
-    ready, owner_cipher = owner.accept(owner.open_hello(wire, 0, 1), group(), 0, 1)
-    return sender.finish(pending, ready), owner_cipher
+    ready, owner_cipher = accept(owner, wire, group())
+    return sender.finish(pending, ready)[0], owner_cipher
 
 
 def test_both_sides_derive_the_same_keys_one_per_direction() -> None:
@@ -73,27 +82,28 @@ def test_a_stream_opens_only_as_the_member_whose_key_signs_it() -> None:
     member 1's and answer this HELLO."""
     _, owner = sides()
     for key in (KEYS[2], PeerKey.generate()):
-        wire, _ = Handshake(key, SWARM, True).hello(group(), 0, 1)
+        wire, _ = Handshake(key, SWARM, True).hello(*group().route_to(1), 0, 1)
         with pytest.raises(HandshakeError, match="member 0"):
-            owner.accept(owner.open_hello(wire, 0, 1), group(), 0, 1)
-    wire, _ = Handshake(KEYS[0], SWARM, True).hello(group(weight=5.0), 0, 1)  # another view
+            accept(owner, wire, group())
+    another_view = group(weight=5.0)
+    wire, _ = Handshake(KEYS[0], SWARM, True).hello(*another_view.route_to(1), 0, 1)
     with pytest.raises(HandshakeError, match="does not verify"):
-        owner.accept(owner.open_hello(wire, 0, 1), group(), 0, 1)
-    wire, _ = Handshake(KEYS[0], SwarmKey(os.urandom(32)), True).hello(group(), 0, 1)
+        accept(owner, wire, group())
+    wire, _ = Handshake(KEYS[0], SwarmKey(os.urandom(32)), True).hello(*group().route_to(1), 0, 1)
     with pytest.raises(UnsealedHello):
         owner.open_hello(wire, 0, 1)
-    wire, _ = Handshake(KEYS[0], SWARM, True).hello(group(), 0, 1)
+    wire, _ = Handshake(KEYS[0], SWARM, True).hello(*group().route_to(1), 0, 1)
     with pytest.raises(UnsealedHello):  # bound to its sender and receiver indices
         owner.open_hello(wire, 2, 1)
     # the sender: a READY from member 2 for our HELLO, or member 1's for another HELLO
     sender = Handshake(KEYS[0], SWARM, True)
-    wire, pending = sender.hello(group(), 0, 1)
+    wire, pending = sender.hello(*group().route_to(1), 0, 1)
     impostor = Handshake(KEYS[2], SWARM, True)
-    ready, _ = impostor.accept(impostor.open_hello(wire, 0, 1), group(), 0, 1)
+    ready, _ = accept(impostor, wire, group())
     with pytest.raises(HandshakeError, match="peer id"):
         sender.finish(pending, ready)
-    other, _ = sender.hello(group(), 0, 1)
-    ready, _ = owner.accept(owner.open_hello(other, 0, 1), group(), 0, 1)
+    other, _ = sender.hello(*group().route_to(1), 0, 1)
+    ready, _ = accept(owner, other, group())
     with pytest.raises(HandshakeError, match="does not verify"):
         sender.finish(pending, ready)
 
@@ -101,7 +111,7 @@ def test_a_stream_opens_only_as_the_member_whose_key_signs_it() -> None:
 def test_daemons_that_disagree_on_encryption_say_so() -> None:
     plain, _ = sides(encrypt=False)
     _, sealed = sides(encrypt=True)
-    wire, _ = plain.hello(group(), 0, 1)
+    wire, _ = plain.hello(*group().route_to(1), 0, 1)
     with pytest.raises(HandshakeError, match="data_encryption"):
         sealed.open_hello(wire, 0, 1)
 

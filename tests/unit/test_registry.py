@@ -60,7 +60,7 @@ def stream(registry: RoundRegistry, g: Group, sender: int = 0, key: PeerKey | No
            wire: bytes | None = None) -> FakeChannel:
     """A stream from member `sender` (its HELLO signed by `key`, its own by default)."""
     if wire is None:
-        wire, _ = Handshake(key or KEYS[sender]).hello(g, sender, 1)
+        wire, _ = Handshake(key or KEYS[sender]).hello(*g.route_to(1), sender, 1)
     channel = FakeChannel()
     hello = registry.handshake.open_hello(wire, sender, 1)
     registry.route(channel, hello, sender, 1)  # type: ignore[arg-type]
@@ -143,7 +143,7 @@ def test_a_stream_must_prove_the_member_it_names() -> None:
             forged = stream(registry, g, 0, key)
             assert forged.aborted is not None and "member 0" in forged.aborted
         assert rnd.accepted == [] and registry.refused == {"identity": 2}
-        wire, _ = Handshake(KEYS[0]).hello(g, 0, 1)
+        wire, _ = Handshake(KEYS[0]).hello(*g.route_to(1), 0, 1)
         genuine = stream(registry, g, wire=wire)
         assert genuine.aborted is None and rnd.accepted == [0]
         rnd.accepted.clear()  # even with the slot free again, the same HELLO opens nothing
