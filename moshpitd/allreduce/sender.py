@@ -1,44 +1,28 @@
-"""The sender side of a butterfly round: our parts stream to each owner, whose averaged results
-come back on the same connection.
-
-An owner's results are untrusted like any contribution: each is received into the link's staging
-buffer, checked for NaN/Inf, and only then copied into the trainer's buffer; a non-finite one
-leaves the part at our local values (mask 0). Receiving straight into the trainer's buffer would
-save that copy, but a poisoned result would then have overwritten the very values we must fall
-back to, and their only other copy went to that owner. (Setting our values aside as a result's
-header arrives, and receiving in place, was measured and is no cheaper: the kernel writes
-received bytes past the cache either way, so one part-sized read from memory stays.)
-"""
+"""The sender side of a butterfly round: our parts stream to each owner (allreduce/ownerlink.py
+takes its READY and results back), on a kept session when we have one to that peer
+(transport/session.py), else on a new connection and handshake."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from moshpitd.allreduce.layout import Part, all_finite
+from moshpitd.allreduce.ownerlink import Exclusions, OwnerLink, ReadyGate
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.hooks import Hooks
 from moshpitd.transport.dataplane import (
-    ABORT,
-    BAD_VALUES,
-    BUSY,
     HELLO,
-    LEFT,
     PART,
-    READY,
-    RESULT,
     Channel,
     DataPlaneError,
     FrameSink,
     Stats,
-    TamperedFrame,
 )
-from moshpitd.transport.handshake import Handshake, HandshakeError, Pending
-from moshpitd.transport.session import Attach, stream_context
+from moshpitd.transport.handshake import Handshake
+from moshpitd.transport.session import Attach
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
@@ -57,224 +41,13 @@ class Sessions(Protocol):
 
     def release(self, channel: Channel) -> None:
         """A stream we accepted ended cleanly: wait on its connection for the peer's next."""
+
+
 # An owner that has no room for our stream yet (BUSY: it does not know our group, and strangers
 # fill its table) hears from us again after BUSY_RETRY, doubling up to BUSY_RETRY_MAX: protocol
 # constants, the time for our group to reach it (a GroupInfo on the way), not a round's deadline.
 BUSY_RETRY = 0.005  # s
 BUSY_RETRY_MAX = 0.1  # s
-
-
-class Exclusions(Protocol):
-    """What the sender side tells the reducer side: an owner is also a sender to us, and when
-    its daemon is gone its parts will not come either."""
-
-    def exclude(self, sender: int, why: str, fault: str = "other") -> None: ...
-
-    def lost(self, sender: int, why: str, fault: str) -> None:
-        """Exclude `sender` if we still lack any of its parts."""
-
-
-class ReadyGate:
-    """Every owner READY (or failed): one event per round, whatever the group's size.
-
-    A member streams its parts once every owner has the round (it answers our HELLO with
-    READY), or the clock's start wait after the round started. Members learn of their group up
-    to ~20-30 ms apart on a busy machine: those that stream meanwhile take the CPU the late one
-    needs to learn of it, and then it is left alone with its share of the work at the end of
-    the round, one core idle."""
-
-    def __init__(self, owners: int, until: float) -> None:
-        self.left = owners
-        self.until = until
-        self.event = asyncio.Event()
-        self.opened = time.monotonic()  # when the last owner answered (the phase log's)
-        if owners <= 0:
-            self.event.set()
-
-    def mark(self) -> None:
-        self.left -= 1
-        if self.left <= 0 and not self.event.is_set():
-            self.opened = time.monotonic()
-            self.event.set()
-
-    async def wait(self, deadline: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(min(self.until, deadline) - time.monotonic(), 0)):
-                await self.event.wait()
-
-
-class OwnerLink:
-    """Averaged parts coming back from one owner."""
-
-    def __init__(self, plan: RoundPlan, ledger: Ledger, owner: int, parts: list[Part],
-                 gate: ReadyGate, exclusions: Exclusions) -> None:
-        self.plan = plan
-        self.ledger = ledger
-        self.owner = owner
-        self.parts = parts
-        self.waiting = {p.index for p in parts}
-        self.done = asyncio.Event()
-        self.progress = asyncio.Event()  # set per result: the send window moves
-        self.failure: str | None = None
-        self.told = False  # it sent ABORT: its stream then closes, and that is no news
-        self.staging = ledger.staging()  # results land here to be checked
-        self._gate = gate
-        self._exclusions = exclusions
-        self._ready = False  # READY came (or the owner failed)
-        self.channel: Channel | None = None  # the stream of the current attempt
-        self.pending: Pending | None = None  # our HELLO, until the owner's READY answers it
-        self.handshake: Handshake | None = None
-        self.answered = asyncio.Event()  # READY proved the owner, or BUSY, or it failed
-        self.busy = False
-        self.unready = False  # our HELLO or ATTACH went out, the owner's READY did not come
-        self.resumed = False  # the attempt runs on a kept session (ATTACH, not HELLO)
-        self.stale = False  # ... and that session was gone before its READY
-        self.context = stream_context(plan.group.digest, plan.me, owner)
-        self.whole = True  # every result so far counts our part (so the owner kept it all)
-        self.sent_at = 0.0  # when our last part went to the transport (the phase log's)
-
-    def opening(self, channel: Channel, handshake: Handshake, pending: Pending | None) -> None:
-        """A new attempt at the stream: `pending` is the HELLO we sent on `channel`, or None
-        for the ATTACH on a kept session."""
-        self.channel, self.handshake, self.pending = channel, handshake, pending
-        self.busy = self.stale = False
-        self.unready, self.resumed = True, pending is None
-        self.answered.clear()
-
-    def reusable(self) -> bool:
-        """The stream ended cleanly both ways: every part in at the owner, every result here,
-        nothing said against it. Its connection can carry our next stream to this peer."""
-        ch = self.channel
-        return (ch is not None and ch.is_open() and ch.session is not None and self.whole
-                and not self.waiting and self.failure is None and not self.told
-                and not self.unready)
-
-    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        if self.unready and kind not in (READY, ABORT):
-            raise DataPlaneError(f"owner {self.owner} sent frame kind {kind} before its READY")
-        if kind != RESULT:
-            return None
-        p = self.plan.part(part)
-        if p is None or p.owner != self.owner or part not in self.waiting:
-            raise DataPlaneError(f"owner {self.owner} returned part {part}, not expected")
-        want = self.plan.encoded_size(p) if aux else 0
-        if length != want:
-            raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
-        return self.staging  # consumed by on_frame before the next frame
-
-    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
-        if kind == READY:
-            self._proven(payload)
-            return
-        if kind == ABORT and aux == BUSY and self.unready:
-            self.busy = True  # no room for us there yet: the stream opens again
-            self.answered.set()
-            return
-        if kind == ABORT:
-            why = bytes(payload).decode(errors="replace")
-            self.told = True
-            if aux == BAD_VALUES:  # were our values to blame? then our trainer hears of it
-                self._recheck(part)
-            self.fail(why)
-            if aux == LEFT:  # nor will its parts come, if any are still missing
-                self._exclusions.lost(self.owner, f"it left the round: {why}", "aborted")
-            return
-        if kind != RESULT:
-            self.fail(f"unexpected frame kind {kind}")
-            return
-        if self.ledger.closed:  # the round is over: the trainer's buffer is its own again,
-            return  # and this part stays reported as what it held at the close
-        p = self.plan.parts[part]
-        if aux and (aux >> self.plan.size):
-            self.fail(f"result {part} names members that do not exist")
-            return
-        if not (self.plan.listening or aux >> self.plan.me & 1):
-            self.whole = False  # the owner lacks our part: it will not keep the stream
-        if aux:
-            values = self.plan.codec.decode(payload, p.numel, self.plan.dtypes[p.run])
-            if all_finite(values):
-                self.plan.view.write(p, values)
-            else:
-                log.warning("owner %d returned NaN or Inf for part %d: it keeps local values",
-                            self.owner, part)
-                aux = 0
-        self.ledger.apply(part, aux)
-        self.waiting.discard(part)
-        if not self.waiting:
-            if self.reusable():  # the owner handed the session on as it sent this: what
-                assert self.channel is not None and self.channel.session is not None
-                self.channel.cipher = self.channel.session.control  # comes next is sealed so
-            self.done.set()
-        self.progress.set()
-
-    def _proven(self, ready: memoryview) -> None:
-        """The owner's READY: it must prove the owner's key and answer our HELLO; the stream
-        is sealed from the next frame on when the daemons encrypt."""
-        if not self.unready or self.handshake is None or self.channel is None:
-            self.fail("READY that answers no HELLO of ours")
-            return
-        if self.resumed:  # opened with the session's control keys: the session vouches
-            session = self.channel.session
-            assert session is not None
-            if len(ready):
-                self.fail("a kept session's READY carries nothing")
-                self.channel.abort("malformed READY")
-                return
-            self.channel.cipher = session.next_stream(self.context)
-        else:
-            assert self.pending is not None
-            try:
-                self.channel.cipher, self.channel.session = self.handshake.finish(
-                    self.pending, ready)
-            except HandshakeError as exc:
-                self.fail(f"it did not prove to be member {self.owner}: {exc}")
-                self.channel.abort(f"refused READY: {exc}")
-                return
-        self.pending, self.unready = None, False
-        self.answered.set()
-        self._mark_ready()
-
-    def in_flight(self, sent: int) -> int:
-        return sent - (len(self.parts) - len(self.waiting))
-
-    def on_close(self, exc: BaseException | None) -> None:
-        """Closed without a word: its daemon is gone (or its round is over), so its parts will
-        not come either; that holds even when all its results are in and it never connected
-        to us as a sender, which would otherwise leave us waiting for the deadline. Closed
-        after an ABORT: that said what happened, and is not counted again."""
-        if self.failure is not None or self.told or self.busy:
-            return
-        if self.resumed and self.unready:  # a kept session that died idle (its peer
-            self.stale = True              # restarted, or closed it): open a fresh one
-            self.answered.set()
-            return
-        if isinstance(exc, TamperedFrame):  # the path, not necessarily its daemon, is bad
-            self.fail(f"its results were tampered with: {exc}")
-            return
-        if self.waiting:
-            self.fail(f"stream closed ({exc or 'EOF'})")
-        self._exclusions.lost(self.owner, "its connection dropped", "disconnected")
-
-    def fail(self, why: str) -> None:
-        if self.failure is None and self.waiting:
-            self.failure = why
-            log.info("owner %d failed: %s; its %d remaining parts keep local values",
-                     self.owner, why, len(self.waiting))
-        self.done.set()
-        self.progress.set()
-        self.answered.set()
-        self._mark_ready()
-
-    def _recheck(self, index: int) -> None:
-        """The owner refused our part as data: if our values are to blame, remember it."""
-        p = self.plan.part(index)
-        if p is not None and p.owner == self.owner and not self.ledger.closed:
-            self.ledger.check(p)
-
-    def _mark_ready(self) -> None:
-        if not self._ready:
-            self._ready = True
-            self._gate.mark()
 
 
 class SenderSide:
@@ -315,7 +88,19 @@ class SenderSide:
         return (sum(ch.progress() for ch in self.channels)
                 + sum(st.progress() for st in self.finished))
 
+    def _keep(self, link: OwnerLink) -> None:
+        """A stream that ended cleanly leaves its connection to the pool, for our next
+        stream to that peer (transport/session.py)."""
+        channel = link.channel
+        if (self.sessions is not None and channel is not None and channel in self.channels
+                and link.done.is_set() and link.reusable()):
+            self.channels.remove(channel)
+            self.finished.append(channel.stats())
+            self.sessions.keep(self.plan.group.members[link.owner].data_endpoint, channel)
+
     async def stop(self) -> None:
+        for link in self.links:  # (a task not yet resumed after its last result)
+            self._keep(link)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -338,10 +123,7 @@ class SenderSide:
                 await channel.send(PART, p.index, *codec.encode_pieces(view.views(p)))
             link.sent_at = time.monotonic()
             await link.done.wait()
-            if self.sessions is not None and link.reusable():
-                self.channels.remove(channel)
-                self.finished.append(channel.stats())
-                self.sessions.keep(self.plan.group.members[link.owner].data_endpoint, channel)
+            self._keep(link)
         except ConnectionRefusedError as exc:
             # nobody listens there: it died, so do not wait for its parts either
             link.fail(f"cannot connect: {exc!r}")

@@ -16,7 +16,7 @@ owner does not know the HELLO's group yet and has no room for another such strea
 sender tries again).
 A stream opens with the sender's signed HELLO; the owner answers with its signed READY once
 the stream is attached to its round (transport/handshake.py), and the sender streams its parts
-once every owner is READY (allreduce/sender.py, ReadyGate). From then on, when the daemons
+once every owner is READY (allreduce/ownerlink.py, ReadyGate). From then on, when the daemons
 encrypt, every frame in both directions is sealed (transport/framecrypt.py): `length` counts
 the payload's ciphertext and its tag, and the header is authenticated with it.
 """

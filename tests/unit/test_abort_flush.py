@@ -1,6 +1,6 @@
 """A member that leaves a round says so: its ABORT reaches the peer even when frames it wrote
 before are still in its socket's buffer (transport/dataplane.py flush_aborts), and the peer
-counts that member once, as `aborted`, not again as a dropped stream (allreduce/sender.py
+counts that member once, as `aborted`, not again as a dropped stream (allreduce/ownerlink.py
 OwnerLink)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import uvloop
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.allreduce.layout import FlatView, TensorSpec
+from moshpitd.allreduce.ownerlink import OwnerLink, ReadyGate
 from moshpitd.allreduce.plan import Ledger, RoundPlan
-from moshpitd.allreduce.sender import OwnerLink, ReadyGate
 from moshpitd.transport.dataplane import (
     ABORT,
     BAD_VALUES,

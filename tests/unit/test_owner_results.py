@@ -1,4 +1,4 @@
-"""Results an owner returns (allreduce/sender.py OwnerLink) are checked before they reach the
+"""Results an owner returns (allreduce/ownerlink.py) are checked before they reach the
 trainer's buffer: one holding NaN or Inf leaves its part at our local values with mask 0, for
 every codec and dtype, also for a part split over two tensors with a gap between them."""
 
@@ -10,8 +10,8 @@ import pytest
 from moshpitd.allreduce.codecs import CODECS, get_codec
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.allreduce.layout import FlatView, Part, TensorSpec
+from moshpitd.allreduce.ownerlink import OwnerLink, ReadyGate
 from moshpitd.allreduce.plan import Ledger, RoundPlan
-from moshpitd.allreduce.sender import OwnerLink, ReadyGate
 from moshpitd.transport.dataplane import RESULT
 
 FIRST, SECOND = 900, 700  # the owner's span crosses from the first tensor into the second
