@@ -41,8 +41,9 @@ TRICKLE_SECONDS = 0.3
 
 
 # What tamper-group does to the groups it leads, in turn: another codec than the one asked for;
-# every follower's bandwidth 0 (which handed the leader every part); a member nobody declared;
-# the leader's own weight 1e308 (which overflowed reducers' sums to Inf).
+# every follower's rate raised a thousandfold (a leader may lower a declared rate to what it
+# measured, never raise one: that would hand a colluder the largest span the share cap allows);
+# a member nobody declared; the leader's own weight 1e308 (which overflowed reducers' sums).
 TAMPERINGS = ("codec", "bandwidth", "phantom", "weight")
 
 
@@ -51,7 +52,8 @@ def tampered(group: Group, how: str) -> Group:
     if how == "codec":
         return replace(group, codec="int8" if group.codec != "int8" else "none")
     if how == "bandwidth":
-        return replace(group, members=(lead, *(replace(m, bandwidth=0.0) for m in rest)))
+        return replace(group, members=(lead, *(replace(m, bandwidth=1000 * m.bandwidth + 1)
+                                               for m in rest)))
     if how == "phantom":
         ghost = GroupMember(os.urandom(20), "127.0.0.1:9", 1.0, data_endpoint="127.0.0.1:9")
         return replace(group, members=(*group.members, ghost))

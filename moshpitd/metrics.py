@@ -104,6 +104,13 @@ class Metrics:
             "join_max_in_flight of them, or join_max_per_peer from the asking peer id",
             "limit", ("in_flight", "per_peer"), refused))
 
+    def watch_rates(self, capped: Callable[[], int]) -> None:
+        """Declared rates a group this daemon led lowered to what the peer's streams carried."""
+        self.registry.register(_Count(
+            "moshpitd_declared_rates_capped", "Followers' declared link rates that a group "
+            "this daemon led listed lower: at most twice what the follower's streams to this "
+            "daemon carried, times the streams its link carried at once", capped))
+
     def watch_grpc(self, server: GrpcServerStats) -> None:
         """What the gRPC port refused or cut before a peer proved anything (transport/gate.py)."""
         self.registry.register(_LabelledCounts(
@@ -150,6 +157,16 @@ class _AuthCollector(Collector):
         for plane, count in sorted(self.rejected().items()):
             family.add_metric([plane], count)
         yield family
+
+
+class _Count(Collector):
+    """One counter read at scrape time."""
+
+    def __init__(self, name: str, doc: str, count: Callable[[], int]) -> None:
+        self.name, self.doc, self.count = name, doc, count
+
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(self.name, self.doc, value=self.count())
 
 
 class _LabelledCounts(Collector):

@@ -18,6 +18,7 @@ from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.deadlines import DeadlinePolicy
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import FlatView, schema_hash
+from moshpitd.allreduce.rates import PeerRates
 from moshpitd.allreduce.registry import RoundRegistry
 from moshpitd.clock import RoundClock
 from moshpitd.dht.network import DHTNode
@@ -82,6 +83,8 @@ class RoundRunner:
         self.settle = SettlePolicy()
         self.matchmakers: dict[str, Matchmaker] = {}  # key -> matchmaking in progress
         self.shunned = Shunned()  # leaders that stalled us, over all keys
+        self.peer_rates = PeerRates()  # what each peer's streams carried to us, over all keys
+        metrics.watch_rates(lambda: self.peer_rates.capped)
         self.finding: dict[str, asyncio.Future[Group]] = {}
         self.runs: dict[str, RunDirectory] = {}  # grid runs this daemon takes part in
 
@@ -216,7 +219,7 @@ class RoundRunner:
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure
                   self.config.bandwidth or self.deadlines.link_mbit, self.me.auth, self.shunned,
-                  self.liveness)
+                  self.liveness, self.peer_rates)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe, self.hooks)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt
@@ -250,6 +253,8 @@ class RoundRunner:
             result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))
         finally:
             self.registry.unregister(group.group_id)
+        for peer, rate in result.peer_rates:
+            self.peer_rates.observe(peer, rate)
         clock.learn(result.bytes_sent + result.bytes_received, result.seconds, result.rates,
                     complete=result.parts_averaged == result.parts)
         return result

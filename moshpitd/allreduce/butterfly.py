@@ -39,7 +39,7 @@ from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView
 from moshpitd.allreduce.owner import ReducerSide, SenderSlot
 from moshpitd.allreduce.plan import Ledger, RoundPlan
-from moshpitd.allreduce.rates import link_rates
+from moshpitd.allreduce.rates import BOTTLENECK, link_rates, stream_rate
 from moshpitd.allreduce.sender import Connector, SenderSide, Sessions
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.transport.dataplane import LEFT, Channel, Stats, flush_aborts
@@ -69,6 +69,9 @@ class RoundResult:
     owned: int = 0  # elements this peer reduced for the group
     excluded_parts: dict[str, int] = field(default_factory=dict)  # fault kind -> parts
     rates: tuple[float, float] = (0.0, 0.0)  # bytes/s we sent and received at (rates.py)
+    # bytes/s that members whose links held their streams to us back carried (the faster of
+    # their results and their parts): what a leader caps declared rates by
+    peer_rates: tuple[tuple[bytes, float], ...] = ()
 
 
 class ButterflyRound:
@@ -90,6 +93,7 @@ class ButterflyRound:
         if sessions is not None:
             self.reducer.release = self._release
         self.rates = (0.0, 0.0)
+        self.peer_rates: dict[bytes, float] = {}
         # the round starts here: the data plane may hand it streams as soon as it is registered
         # (those that waited for the group), before `run`
         self.hooks.begin_round(self.plan.link_parts(), self.plan.senders(),
@@ -154,6 +158,7 @@ class ButterflyRound:
                 self.rates = link_rates(stats)
                 for st in stats:
                     sent, received = sent + st.bytes_out, received + st.bytes_in
+                self._time_peers(sender)
                 for ch in streams:
                     ch.close()  # nothing is received into staging buffers after this
                 self.ledger.close()
@@ -165,6 +170,22 @@ class ButterflyRound:
         if self.ledger.invalid is not None:
             raise self.ledger.invalid
         return self._result(time.monotonic() - start, sent, received)
+
+    def _time_peers(self, sender: SenderSide) -> None:
+        """What the members whose own links held their streams to us back carried this round
+        (allreduce/rates.py PeerRates: a leader caps declared rates by it). A stream as fast
+        as the others into us was held back by our link, and bounds nothing of its sender's."""
+        members = self.plan.group.members
+        timed = [(link.owner, link.stats()) for link in sender.links]
+        timed += [(slot.sender, slot.stats()) for slot in self.reducer.slots.values()]
+        rates: dict[bytes, float] = {}
+        for index, stats in timed:
+            rate = stream_rate(stats) if stats is not None else 0.0
+            if rate > 0:
+                peer = members[index].peer_id
+                rates[peer] = max(rate, rates.get(peer, 0.0))
+        fastest = max(rates.values(), default=0.0)
+        self.peer_rates = {p: r for p, r in rates.items() if r < BOTTLENECK * fastest}
 
     async def _wait_for_owners(self, sender: SenderSide, d: RoundDeadlines) -> None:
         """Until every owner answered all our parts (or failed) and our results went out.
@@ -200,4 +221,5 @@ class ButterflyRound:
         return RoundResult(plan.size, len(plan.parts), averaged, tuple(spans), sent, received,
                            seconds, self.reducer.excluded,
                            sum(p.numel for p in plan.my_parts),
-                           dict(self.reducer.excluded_parts), self.rates)
+                           dict(self.reducer.excluded_parts), self.rates,
+                           tuple(self.peer_rates.items()))

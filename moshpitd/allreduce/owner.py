@@ -109,7 +109,11 @@ class SenderSlot:
                               "disconnected")
 
     def progress(self) -> int:
-        return self.released.progress() if self.released else self.channel.progress()
+        return self.stats().progress()
+
+    def stats(self) -> Stats:
+        """This round's bytes on the sender's stream (its connection may carry the next)."""
+        return self.released if self.released is not None else self.channel.stats()
 
     def drained(self) -> bool:
         transport = self.channel.transport

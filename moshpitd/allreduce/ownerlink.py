@@ -29,6 +29,7 @@ from moshpitd.transport.dataplane import (
     RESULT,
     Channel,
     DataPlaneError,
+    Stats,
     TamperedFrame,
 )
 from moshpitd.transport.handshake import Handshake, HandshakeError, Pending
@@ -104,6 +105,7 @@ class OwnerLink:
         self.stale = False  # ... and that session was gone before its READY
         self.context = stream_context(plan.group.digest, plan.me, owner)
         self.whole = True  # every result so far counts our part (so the owner kept it all)
+        self.final: Stats | None = None  # the stream's bytes, once its connection was kept
         self.sent_at = 0.0  # when our last part went to the transport (the phase log's)
 
     def opening(self, channel: Channel, handshake: Handshake, pending: Pending | None) -> None:
@@ -206,6 +208,12 @@ class OwnerLink:
         self.pending, self.unready = None, False
         self.answered.set()
         self._mark_ready()
+
+    def stats(self) -> Stats | None:
+        """This round's bytes on our stream to the owner (None: it never opened)."""
+        if self.final is not None:
+            return self.final
+        return self.channel.stats() if self.channel is not None else None
 
     def in_flight(self, sent: int) -> int:
         return sent - (len(self.parts) - len(self.waiting))

@@ -95,7 +95,8 @@ class SenderSide:
         if (self.sessions is not None and channel is not None and channel in self.channels
                 and link.done.is_set() and link.reusable()):
             self.channels.remove(channel)
-            self.finished.append(channel.stats())
+            link.final = channel.stats()
+            self.finished.append(link.final)
             self.sessions.keep(self.plan.group.members[link.owner].data_endpoint, channel)
 
     async def stop(self) -> None:

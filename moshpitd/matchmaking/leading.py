@@ -8,7 +8,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.hooks import NO_HOOKS, Hooks
@@ -87,6 +87,10 @@ class GroupLeader:
         members = [GroupMember(self.me.peer_id, self.me.endpoint, self.req.weight,
                                self.req.client_mode, self.me.bandwidth, self.me.data_endpoint)]
         members += [_member(f.request) for f in self.followers.values()]
+        rates = self.me.rates
+        if rates is not None:  # a follower's declared rate, at most what its streams carried
+            members = [members[0]] + [replace(m, bandwidth=rates.capped_rate(
+                m.peer_id, m.bandwidth, len(members))) for m in members[1:]]
         if sum(m.weight for m in members) <= 0:
             log.info("group under %s has zero total weight", self.req.key)
         group = self.hooks.leading(Group(os.urandom(16), self.req.key, 0, self.req.schema_hash,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from moshpitd.allreduce.rates import PeerRates
 from moshpitd.matchmaking.liveness import Liveness
 from moshpitd.matchmaking.shunned import Shunned
 from moshpitd.matchmaking.signing import PeerAuth
@@ -68,6 +69,8 @@ class Self:
     shunned: Shunned = field(default_factory=Shunned)
     # who answered our probes lately, over all requests (None: follow any declared peer)
     liveness: Liveness | None = None
+    # what each peer's streams carried to us lately: a group we lead caps declared rates by it
+    rates: PeerRates | None = None
 
 
 # The settle time's bounds. It is learnt (SettlePolicy), but within these, which are latencies

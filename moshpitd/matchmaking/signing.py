@@ -171,9 +171,10 @@ def admissions_fault(info: pb.GroupInfo, group: Group, leader_id: bytes, attempt
             return f"member {m.peer_id.hex()[:8]} never asked this leader to lead it"
         j = a.join
         if (j.group_key != group.key or j.endpoint != m.endpoint or j.weight != m.weight
-                or j.client_mode != m.client_mode or j.bandwidth != m.bandwidth
+                or j.client_mode != m.client_mode or not m.bandwidth <= j.bandwidth
                 or j.data_endpoint != m.data_endpoint):
-            return f"member {m.peer_id.hex()[:8]} is not listed as it asked to join"
+            return f"member {m.peer_id.hex()[:8]} is not listed as it asked to join (a " \
+                "leader may lower a member's rate, nothing else)"
         if not attempt + WINDOW >= now - j.timestamp_ms / 1000.0 >= -FUTURE_SKEW:
             return f"member {m.peer_id.hex()[:8]}'s join is not from this attempt"
         if (peer_id_of(j.public_key) != m.peer_id or len(j.signature) != SIGNATURE_BYTES

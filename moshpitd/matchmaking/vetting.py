@@ -58,8 +58,9 @@ def entry_fault(member: GroupMember, declared: Declaration | None,
         ("endpoint", member.endpoint, declared.endpoint),
         ("data endpoint", member.data_endpoint, declared.data_endpoint),
         ("weight", member.weight, declared.weight),
-        ("bandwidth", member.bandwidth, declared.bandwidth),
         ("client mode", member.client_mode, declared.client_mode)) if theirs != ours]
+    if not member.bandwidth <= declared.bandwidth:  # the leader may lower it (rates.py)
+        differ.append("bandwidth")
     if differ:
         return f"{who}'s {', '.join(differ)} differ from its declaration"
     return None

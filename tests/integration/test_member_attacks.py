@@ -110,9 +110,9 @@ def test_followers_leave_a_group_their_leader_altered(
         swarm: Swarm) -> None:
     """Attacks 8 and 9. The attacker declares first, so every honest peer asks it to lead,
     and it sends each group altered: codec int8 where all asked for none; every follower's
-    bandwidth 0 (which handed the leader the whole vector); a member nobody declared; its own
-    weight 1e308 (which overflowed reducers' sums, and honest trainers were told their own
-    values held NaN or Inf). Each time the honest peers leave it and average among
+    rate raised a thousandfold (it may lower one, never raise it); a member nobody declared;
+    its own weight 1e308 (which overflowed reducers' sums, and honest trainers were told their
+    own values held NaN or Inf). Each time the honest peers leave it and average among
     themselves."""
     s, key, marker = swarm
     rogue = s.daemons[0].info["peer_id"]

@@ -201,3 +201,41 @@ def test_a_join_takes_a_slot_only_once_it_proved_its_peer_id() -> None:
         assert joins.held == 0
 
     asyncio.run(scenario())
+
+
+def test_a_leader_caps_a_follower_s_declared_rate_at_what_its_streams_carried() -> None:
+    """A follower that declares 1e12 Mbit/s would own the largest span the share cap allows.
+    A leader that timed its streams lists it at most at that rate (scaled for its link's
+    streams), and every member still takes the group: a leader may lower a rate it lists,
+    never raise one."""
+    from dataclasses import replace
+
+    from moshpitd.allreduce.rates import PeerRates
+
+    async def scenario() -> None:
+        rates = PeerRates()
+        rates.observe(pid(1), 1e6)  # 1 MB/s: 8 Mbit/s on one stream
+        me = replace(ME, rates=rates)
+        request = MatchRequest("k", SCHEMA, 1.0, 3, attempt_seconds=5.0, settle_seconds=0.5)
+        side = GroupLeader(me, request, lambda: None)
+        side.open()
+        liar = join(1)
+        liar.bandwidth = 1e12
+        liar = PeerAuth(PEERS[1]).sign_join(liar, ME.peer_id)
+        calls = [side.handle_join(liar), side.handle_join(join(2))]
+        for call in calls:
+            await accepted(call)
+        group = side.assemble()
+        by_id = {m.peer_id: m.bandwidth for m in group.members}
+        assert by_id[pid(1)] == rates.cap_mbit(pid(1), 3) == 2.0 * 2 * 8.0
+        assert by_id[pid(2)] == 1.0 and rates.capped == 1  # unmeasured: as declared
+        info = (await anext(calls[1])).group_info
+        assert PeerAuth.check_group(info, group, ME.peer_id, 5.0) is None
+        assert admissions_fault(info, group, ME.peer_id, 5.0) is None
+        raised = Group.from_proto(info)
+        raised = replace(raised, members=tuple(replace(m, bandwidth=2e12) if m.peer_id == pid(1)
+                                               else m for m in raised.members))
+        assert "not listed as it asked" in (admissions_fault(info, raised, ME.peer_id, 5.0)
+                                            or "")
+
+    asyncio.run(scenario())

@@ -206,3 +206,14 @@ def test_the_book_looks_in_the_local_replica_before_the_network() -> None:
             == "unknown" and reads == 1
 
     asyncio.run(main())
+
+
+def test_a_leader_may_lower_a_declared_rate_never_raise_it() -> None:
+    """Rates a leader capped at what a follower's streams carried (allreduce/rates.py) pass;
+    a rate above the declaration is an altered entry."""
+    lowered = replace(GROUP, members=(GROUP.members[0], replace(GROUP.members[1], bandwidth=0.5),
+                                      GROUP.members[2]))
+    assert vet(lowered) is None
+    raised = replace(GROUP, members=(GROUP.members[0], replace(GROUP.members[1], bandwidth=1.5),
+                                     GROUP.members[2]))
+    assert "bandwidth differ from its declaration" in (vet(raised) or "")
