@@ -21,7 +21,7 @@ from typing import Any
 from grpc import aio
 
 from moshpitd.allreduce.group import Group
-from moshpitd.clock import AttemptClock
+from moshpitd.clock import GROUP_INFO_PATIENCE, AttemptClock
 from moshpitd.dht.network import DHTNode
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.assembly import Action, AssemblyPolicy, Poll
@@ -335,15 +335,24 @@ class Matchmaker:
         if first.code == pb.ACCEPTED:
             self.leading.follow(leader)
             # A leader that accepts and never assembles (a cycle of inconsistent views, or one
-            # that means to stall us) holds us to our own deadline at most, and never again.
+            # that means to stall us) holds us to our own deadline at most; one that outlives
+            # its own declaration so is not asked again for SHUN_SECONDS, by any request.
             try:
                 async with asyncio.timeout(self._clock.group_info_wait(time.monotonic(),
                                                                        leader.deadline)):
                     resp = await call.read()
             except TimeoutError:
-                log.info("%s: leader %s accepted us and did not assemble in time; not asking "
-                         "it for %.0f s", self.req.key, leader.peer_id.hex()[:8], SHUN_SECONDS)
-                self._dead.add(self.me.shunned.add(leader.peer_id))
+                if time.monotonic() >= leader.deadline + GROUP_INFO_PATIENCE:
+                    # it outlived its own declaration without a word: an honest leader
+                    # assembles or disbands by then
+                    log.info("%s: leader %s accepted us and neither assembled nor disbanded "
+                             "by its own deadline; not asking it for %.0f s", self.req.key,
+                             leader.peer_id.hex()[:8], SHUN_SECONDS)
+                    self._dead.add(self.me.shunned.add(leader.peer_id))
+                else:  # our attempt ended first: an honest leader may still be gathering
+                    # (a sync's, waiting for every member): our next attempt reads anew
+                    log.info("%s: leader %s accepted us and did not assemble within our "
+                             "attempt", self.req.key, leader.peer_id.hex()[:8])
                 return None
             if resp is aio.EOF:
                 return None
