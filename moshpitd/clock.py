@@ -45,6 +45,10 @@ MIN_ANSWER_WAIT = 0.2  # s
 # cycle of inconsistent views) and must not hold us. The floor gives a follower that was
 # accepted at the very end one chance to hear the answer already on its way.
 GROUP_INFO_PATIENCE = 1.0  # s
+# An accepted follower waits up to this past its leader's declared deadline (not past its own
+# plus GROUP_INFO_PATIENCE) for the GroupInfo or a DISBANDED; a leader silent past it is
+# shunned. An honest leader disbands at its deadline, late only by a loaded loop's lag.
+LEADER_GRACE = 2.0  # s
 MIN_GROUP_INFO_WAIT = 0.1  # s
 
 
@@ -137,8 +141,8 @@ class AttemptClock:
         included) and before its own, as its declaration's lifetime tells: nothing it
         declares can make us wait past our own attempt, and a short declaration (one that
         ranks first by its date, say) holds us no longer than it lives."""
-        return max(min(self.deadline, leader_deadline) + GROUP_INFO_PATIENCE - now,
-                   MIN_GROUP_INFO_WAIT)
+        return max(min(self.deadline + GROUP_INFO_PATIENCE, leader_deadline + LEADER_GRACE)
+                   - now, MIN_GROUP_INFO_WAIT)
 
 
 def stream_wait(attempt_max: float) -> float:

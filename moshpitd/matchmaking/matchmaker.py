@@ -21,7 +21,7 @@ from typing import Any
 from grpc import aio
 
 from moshpitd.allreduce.group import Group
-from moshpitd.clock import GROUP_INFO_PATIENCE, AttemptClock
+from moshpitd.clock import LEADER_GRACE, AttemptClock
 from moshpitd.dht.network import DHTNode
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.assembly import Action, AssemblyPolicy, Poll
@@ -99,6 +99,7 @@ class Matchmaker:
         self._mismatch_ranks: dict[bytes, bytes] = {}  # their rank digests, if a shard host
         self._seen_match: set[bytes] = set()
         self._declared_now: set[bytes] = set()
+        self._read_last: dict[bytes, Candidate] = {}  # the latest read's candidates
         self._version = 0
 
     @property
@@ -187,7 +188,9 @@ class Matchmaker:
                 return self._assemble()  # full: no need to look at the DHT first
             now = time.monotonic()
             # woken by a joiner, only our group changed: the DHT is read at the poll's timeout
-            candidates, line = read = read or await self._read()
+            if read is None:
+                read = await self._read_by(self._clock.deadline)
+            candidates, line = read
             candidates = self.vitals.proven(candidates, self.leading.followers)
             if self.leading.followers:
                 await self.vitals.probe_stragglers(candidates, self.leading.followers, now)
@@ -244,6 +247,15 @@ class Matchmaker:
                     expected=self.expected, settled=self.settled,
                     gone=frozenset(self._seen_match - self._declared_now), line=line)
 
+    async def _read_by(self, deadline: float) -> tuple[list[Candidate], LineStatus | None]:
+        """`_read`, given up at our deadline: a lookup that waits on silent DHT nodes must not
+        keep us from disbanding our followers then (they shun a leader that overruns)."""
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0) + MIN_POLL):
+                return await self._read()
+        except TimeoutError:
+            return [], None
+
     async def _read(self) -> tuple[list[Candidate], LineStatus | None]:
         """The key's declarations and the grid line's status, read side by side."""
         reading = asyncio.ensure_future(self._candidates())
@@ -275,6 +287,7 @@ class Matchmaker:
                 continue  # not an honest attempt's: neither followed nor waited for
             self._declared_now.add(peer_id)
             out.append(Candidate(peer_id, decl, now + rec.ttl, rec.version))
+        self._read_last = {c.peer_id: c for c in out}
         return out
 
     async def _vet(self, group: Group) -> str | None:
@@ -342,7 +355,7 @@ class Matchmaker:
                                                                        leader.deadline)):
                     resp = await call.read()
             except TimeoutError:
-                if time.monotonic() >= leader.deadline + GROUP_INFO_PATIENCE:
+                if time.monotonic() >= leader.deadline + LEADER_GRACE:
                     # it outlived its own declaration without a word: an honest leader
                     # assembles or disbands by then
                     log.info("%s: leader %s accepted us and neither assembled nor disbanded "
@@ -378,9 +391,12 @@ class Matchmaker:
         if resp.code in (pb.NOT_A_LEADER, pb.DISBANDED) and resp.suggested_leader:
             if resp.suggested_leader_id == self.me.peer_id:
                 return None
+            # its own declared deadline if we read it (a redirecting leader's is not its)
+            seen = self._read_last.get(resp.suggested_leader_id)
             return Candidate(resp.suggested_leader_id,
                              Declaration(resp.suggested_leader, self.req.schema_hash),
-                             leader.deadline, leader.version)
+                             leader.deadline if seen is None else seen.deadline,
+                             leader.version)
         return None
 
 __all__ = ["MatchRequest", "Matchmaker", "MatchmakingError", "Self", "not_looking"]
