@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from moshpitd.transport.framecrypt import TAG, FrameCipher, TamperedFrame
-from moshpitd.transport.tcp import set_congestion
+from moshpitd.transport.tcp import set_congestion, set_keepalive
 
 if TYPE_CHECKING:
     from moshpitd.transport.session import Session
@@ -148,6 +148,7 @@ class Channel(asyncio.BufferedProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.congestion:
                 set_congestion(sock, self.congestion)
+            set_keepalive(sock)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._target[self._filled:]

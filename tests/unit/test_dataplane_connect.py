@@ -199,3 +199,28 @@ def test_a_connection_takes_the_congestion_control_asked_for(
     assert fallback in _available()  # the host's default stays
     warned = [r for r in caplog.records if monkey in r.getMessage()]
     assert len(warned) == 1  # once, not per connection
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_KEEPIDLE"), reason="needs TCP_KEEPIDLE (Linux)")
+def test_both_ends_keep_an_idle_connection_alive() -> None:
+    """A kept session idles between rounds: keepalive probes hold it open through NAT and
+    let the kernel drop one whose peer vanished (transport/tcp.py)."""
+    from moshpitd.transport.tcp import KEEPALIVE_IDLE
+
+    async def main() -> list[tuple[int, int]]:
+        server, port, accepted = await serve()
+        ch = await connect("127.0.0.1", port, Sink(), 1 << 20)
+        async with asyncio.timeout(5):  # the server side's connection_made
+            while not accepted or accepted[0].transport is None:
+                await asyncio.sleep(0.001)
+        got = []
+        for c in (ch, accepted[0]):
+            assert c.transport is not None
+            sock = c.transport.get_extra_info("socket")
+            got.append((sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)))
+            c.close()
+        server.close()
+        return got
+
+    assert asyncio.run(main()) == [(1, KEEPALIVE_IDLE)] * 2
