@@ -42,8 +42,9 @@ from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.rates import BOTTLENECK, link_rates, stream_rate
 from moshpitd.allreduce.sender import Connector, SenderSide, Sessions
 from moshpitd.hooks import NO_HOOKS, Hooks
-from moshpitd.transport.dataplane import LEFT, Channel, Stats, flush_aborts
+from moshpitd.transport.dataplane import LEFT, Channel, flush_aborts
 from moshpitd.transport.handshake import Handshake
+from moshpitd.transport.stats import Stats
 
 # How often the round looks again whether every result went out to the transports: they may
 # hold views of the trainer's buffer until then (a protocol constant: the poll's granularity).

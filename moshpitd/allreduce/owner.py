@@ -32,9 +32,9 @@ from moshpitd.transport.dataplane import (
     RESULT,
     Channel,
     DataPlaneError,
-    Stats,
     TamperedFrame,
 )
+from moshpitd.transport.stats import Stats
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
@@ -69,7 +69,8 @@ class SenderSlot:
         self.staging = side.ledger.staging()
         self.outbox = Outbox()
         self.released: Stats | None = None  # the stream ended cleanly: its connection is
-        # the registry's again (a kept session), and these were its bytes
+        # the registry's again (a kept session), and these were its bytes, which end at
+        self.released_end = 0  # this offset of the connection (`Channel.written`)
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != PART:
@@ -116,6 +117,8 @@ class SenderSlot:
         return self.released if self.released is not None else self.channel.stats()
 
     def drained(self) -> bool:
+        if self.released is not None:  # the connection may carry another round's stream
+            return self.channel.sent_out() >= self.released_end or not self.channel.is_open()
         transport = self.channel.transport
         return self.outbox.empty() and (transport is None or transport.is_closing()
                                         or transport.get_write_buffer_size() == 0)
@@ -152,15 +155,14 @@ class SenderSlot:
                 or side.reducer.excluded >> self.sender & 1:
             return
         self.released = self.channel.stats()
+        self.released_end = self.channel.written
         side.release(self.channel)
 
     def abort_undrained(self) -> None:
         """The round is over: a handed-on connection still holding this round's result (a
         view of the trainer's buffer) is closed, its bytes dropped, as the round's own are."""
-        transport = self.channel.transport
-        if self.released is not None and transport is not None \
-                and transport.get_write_buffer_size() > 0:
-            self.channel.close()
+        if self.released is not None and not self.drained():  # (once the sender has our
+            self.channel.close()  # last result, anything unsent is another stream's)
 
 
 class ReducerSide:

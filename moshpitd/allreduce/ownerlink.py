@@ -29,11 +29,11 @@ from moshpitd.transport.dataplane import (
     RESULT,
     Channel,
     DataPlaneError,
-    Stats,
     TamperedFrame,
 )
 from moshpitd.transport.handshake import Handshake, HandshakeError, Pending
 from moshpitd.transport.session import stream_context
+from moshpitd.transport.stats import Stats
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 

@@ -43,6 +43,7 @@ from moshpitd.transport.session import (
     ACCEPTED_IDLE_SECONDS,
     ATTACH,
     MAX_IDLE,
+    MAX_PER_PEER,
     Attach,
     SessionPool,
     stream_context,
@@ -174,6 +175,13 @@ class _Resume:
             self.registry.forget(self.waiting)
 
 
+def _evict(idle: list[_Resume]) -> None:
+    """Close the oldest of these idle sessions that has nothing left to send (the newest may
+    still hold its last stream's final result), else the oldest."""
+    victim = next((r for r in idle if r.channel.sent_out() >= r.channel.written), idle[0])
+    victim.expire()
+
+
 class _Refused(Channel):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -249,10 +257,15 @@ class RoundRegistry:
         if channel.session is None or not channel.is_open():
             channel.close()
             return
+        peer = channel.session.peer_id
         channel.cipher = channel.session.control
         channel.sink = _Resume(self, channel)
+        same = [r for r in self.idle if r.channel.session is not None
+                and r.channel.session.peer_id == peer]
+        if len(same) > MAX_PER_PEER:  # a member that opens a connection per round
+            _evict(same)
         while len(self.idle) > MAX_IDLE:
-            next(iter(self.idle)).expire()
+            _evict(list(self.idle))
 
     def register(self, rnd: ButterflyRound) -> None:
         """A round of ours: its streams are admitted from now on, and those already waiting

@@ -19,10 +19,10 @@ from moshpitd.transport.dataplane import (
     Channel,
     DataPlaneError,
     FrameSink,
-    Stats,
 )
 from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.session import Attach
+from moshpitd.transport.stats import Stats
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
@@ -93,7 +93,9 @@ class SenderSide:
         stream to that peer (transport/session.py)."""
         channel = link.channel
         if (self.sessions is not None and channel is not None and channel in self.channels
-                and link.done.is_set() and link.reusable()):
+                and link.done.is_set() and link.reusable()
+                and channel.sent_out() >= channel.written):  # none of our parts still queued
+            # (views of the trainer's buffer: an owner that answered before it had them all)
             self.channels.remove(channel)
             link.final = channel.stats()
             self.finished.append(link.final)
@@ -120,6 +122,8 @@ class SenderSide:
                 if link.done.is_set():
                     break  # it failed or excluded us: nothing more to send
                 await self.hooks.before_part(i)
+                if link.done.is_set():
+                    break
                 # straight from the trainer's buffer (codec none), piece by piece
                 await channel.send(PART, p.index, *codec.encode_pieces(view.views(p)))
             link.sent_at = time.monotonic()

@@ -363,7 +363,6 @@ class Matchmaker:
                              leader.peer_id.hex()[:8], SHUN_SECONDS)
                     self._dead.add(self.me.shunned.add(leader.peer_id))
                 else:  # our attempt ended first: an honest leader may still be gathering
-                    # (a sync's, waiting for every member): our next attempt reads anew
                     log.info("%s: leader %s accepted us and did not assemble within our "
                              "attempt", self.req.key, leader.peer_id.hex()[:8])
                 return None
@@ -391,8 +390,7 @@ class Matchmaker:
         if resp.code in (pb.NOT_A_LEADER, pb.DISBANDED) and resp.suggested_leader:
             if resp.suggested_leader_id == self.me.peer_id:
                 return None
-            # its own declared deadline if we read it (a redirecting leader's is not its)
-            seen = self._read_last.get(resp.suggested_leader_id)
+            seen = self._read_last.get(resp.suggested_leader_id)  # its own deadline, if read
             return Candidate(resp.suggested_leader_id,
                              Declaration(resp.suggested_leader, self.req.schema_hash),
                              leader.deadline if seen is None else seen.deadline,

@@ -30,10 +30,10 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from moshpitd.transport.framecrypt import TAG, FrameCipher, TamperedFrame
+from moshpitd.transport.stats import Stats
 from moshpitd.transport.tcp import set_congestion, set_keepalive
 
 if TYPE_CHECKING:
@@ -74,21 +74,6 @@ class FrameSink(Protocol):
         """The connection is gone."""
 
 
-@dataclass(frozen=True)
-class Stats:
-    """A stream's bytes each way and when its first and last bytes moved."""
-
-    bytes_in: int
-    bytes_out: int
-    first_in: float
-    last_in: float
-    first_out: float
-    last_out: float
-
-    def progress(self) -> int:
-        return self.bytes_in + self.bytes_out
-
-
 class Channel(asyncio.BufferedProtocol):
     """One TCP connection of the data plane, in either direction."""
 
@@ -123,6 +108,19 @@ class Channel(asyncio.BufferedProtocol):
     def is_open(self) -> bool:
         return (self.transport is not None and not self.transport.is_closing()
                 and not self.closed.done())
+
+    def sent_out(self) -> int:
+        """Bytes of this connection the transport has handed to the kernel (a stream that
+        ended here knows its own are out once this passes where they ended)."""
+        pending = 0
+        if self.transport is not None and not self.transport.is_closing():
+            pending = self.transport.get_write_buffer_size()
+        return self._written - pending
+
+    @property
+    def written(self) -> int:
+        """Bytes queued on this connection since it opened, every stream's."""
+        return self._written
 
     def stats(self) -> Stats:
         """This stream's bytes and times (allreduce/rates.py), frozen: a session carries the

@@ -4,7 +4,7 @@ streams carried to it, scaled for the streams a link carries at once."""
 from __future__ import annotations
 
 from moshpitd.allreduce.rates import CAP_FACTOR, CAP_WINDOW, PeerRates, stream_rate
-from moshpitd.transport.dataplane import Stats
+from moshpitd.transport.stats import Stats
 
 A, B = b"a" * 20, b"b" * 20
 

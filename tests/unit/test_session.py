@@ -134,3 +134,41 @@ def test_the_pool_hands_out_live_sessions_to_that_peer_only_and_bounds_what_it_k
         assert no_session.closed == 1 and len(pool) == 0
 
     asyncio.run(main())
+
+
+def test_the_sessions_a_daemon_accepted_are_bounded_per_peer_over_real_connections() -> None:
+    """A member that opens a new connection every round, instead of reusing its own, leaves
+    one idle session per round with the owner: at most MAX_PER_PEER are kept per peer (the
+    oldest closed), and another peer's session is untouched."""
+    from moshpitd.allreduce.registry import RoundRegistry
+    from moshpitd.transport.session import MAX_PER_PEER
+
+    async def main() -> None:
+        registry = RoundRegistry(1 << 20)
+        port = await registry.start("127.0.0.1", 0)
+        clients = []
+        for _ in range(MAX_PER_PEER + 3):
+            clients.append(await asyncio.open_connection("127.0.0.1", port))
+        async with asyncio.timeout(5):
+            while len(registry.unopened) < len(clients):
+                await asyncio.sleep(0.001)
+        accepted = [h.channel for h in list(registry.unopened)]
+        assert all(ch is not None for ch in accepted)
+        honest = accepted.pop()
+        assert honest is not None
+        honest.session = Session(b"h" * 20, None, opener=False)
+        registry.release(honest)
+        for ch in accepted:  # one peer, a new connection each "round"
+            assert ch is not None
+            ch.session = Session(b"m" * 20, None, opener=False)
+            registry.release(ch)
+        kept = [r.channel for r in registry.idle]
+        assert len(kept) == MAX_PER_PEER + 1 and honest in kept
+        assert all(not ch.is_open() for ch in accepted[:-MAX_PER_PEER] if ch is not None)
+        assert all(ch.is_open() for ch in accepted[-MAX_PER_PEER:] if ch is not None)
+        for _, writer in clients:
+            writer.close()
+        await registry.stop()
+        assert not registry.idle
+
+    asyncio.run(main())
