@@ -39,7 +39,6 @@ from moshpitd.transport.stats import Stats
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
 
-
 class Outbox(asyncio.Queue[int]):
     """Parts whose results still go back to one sender. Once its stream is gone nothing is kept
     for it: the round waits until every outbox is empty, and this one would never empty."""
@@ -118,7 +117,7 @@ class SenderSlot:
 
     def drained(self) -> bool:
         if self.released is not None:  # the connection may carry another round's stream
-            return self.channel.sent_out() >= self.released_end or not self.channel.is_open()
+            return self.channel.flushed(self.released_end) or not self.channel.is_open()
         transport = self.channel.transport
         return self.outbox.empty() and (transport is None or transport.is_closing()
                                         or transport.get_write_buffer_size() == 0)

@@ -14,34 +14,23 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from typing import Protocol
+
+from moshpitd.transport.stats import Stats
 
 MIN_TIMED_BYTES = 256 << 10  # a connection that moved less each way teaches no rate
 
 
-class Timed(Protocol):
-    @property
-    def bytes_in(self) -> int: ...
-    @property
-    def bytes_out(self) -> int: ...
-    @property
-    def first_in(self) -> float: ...
-    @property
-    def last_in(self) -> float: ...
-    @property
-    def first_out(self) -> float: ...
-    @property
-    def last_out(self) -> float: ...
+def _rate(moved: int, first: float, last: float) -> float:
+    """Bytes/s over one direction of a stream; 0 where it moved too little to teach one."""
+    return moved / (last - first) if moved >= MIN_TIMED_BYTES and last > first else 0.0
 
 
-def link_rates(channels: Iterable[Timed]) -> tuple[float, float]:
+def link_rates(channels: Iterable[Stats]) -> tuple[float, float]:
     """(send, receive) in bytes/s over this round's connections; 0 where none taught one."""
     up = down = 0.0
     for ch in channels:
-        if ch.bytes_out >= MIN_TIMED_BYTES and ch.last_out > ch.first_out:
-            up += ch.bytes_out / (ch.last_out - ch.first_out)
-        if ch.bytes_in >= MIN_TIMED_BYTES and ch.last_in > ch.first_in:
-            down += ch.bytes_in / (ch.last_in - ch.first_in)
+        up += _rate(ch.bytes_out, ch.first_out, ch.last_out)
+        down += stream_rate(ch)
     return up, down
 
 
@@ -93,8 +82,6 @@ class PeerRates:
         return cap
 
 
-def stream_rate(stats: Timed) -> float:
+def stream_rate(stats: Stats) -> float:
     """Bytes/s a peer's stream carried to us, 0 where it moved too little to teach one."""
-    if stats.bytes_in >= MIN_TIMED_BYTES and stats.last_in > stats.first_in:
-        return stats.bytes_in / (stats.last_in - stats.first_in)
-    return 0.0
+    return _rate(stats.bytes_in, stats.first_in, stats.last_in)

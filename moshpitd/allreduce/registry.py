@@ -178,7 +178,7 @@ class _Resume:
 def _evict(idle: list[_Resume]) -> None:
     """Close the oldest of these idle sessions that has nothing left to send (the newest may
     still hold its last stream's final result), else the oldest."""
-    victim = next((r for r in idle if r.channel.sent_out() >= r.channel.written), idle[0])
+    victim = next((r for r in idle if r.channel.flushed()), idle[0])
     victim.expire()
 
 

@@ -94,7 +94,7 @@ class SenderSide:
         channel = link.channel
         if (self.sessions is not None and channel is not None and channel in self.channels
                 and link.done.is_set() and link.reusable()
-                and channel.sent_out() >= channel.written):  # none of our parts still queued
+                and channel.flushed()):  # none of our parts still queued
             # (views of the trainer's buffer: an owner that answered before it had them all)
             self.channels.remove(channel)
             link.final = channel.stats()

@@ -109,13 +109,14 @@ class Channel(asyncio.BufferedProtocol):
         return (self.transport is not None and not self.transport.is_closing()
                 and not self.closed.done())
 
-    def sent_out(self) -> int:
-        """Bytes of this connection the transport has handed to the kernel (a stream that
-        ended here knows its own are out once this passes where they ended)."""
+    def flushed(self, upto: int | None = None) -> bool:
+        """Whether the transport has handed the kernel every byte queued on this connection
+        up to offset `upto` (`written` then), default all: a stream that ended at some offset
+        knows its own bytes are out, whatever a later stream queued after them."""
         pending = 0
         if self.transport is not None and not self.transport.is_closing():
             pending = self.transport.get_write_buffer_size()
-        return self._written - pending
+        return self._written - pending >= (self._written if upto is None else upto)
 
     @property
     def written(self) -> int:

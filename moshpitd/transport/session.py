@@ -25,7 +25,6 @@ the clear, as the frames after a plain handshake do.
 from __future__ import annotations
 
 import asyncio
-import logging
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -48,7 +47,6 @@ class Kept(Protocol):
 
     def close(self) -> None: ...
 
-log = logging.getLogger(__name__)
 
 SECRET_BYTES = 32
 ATTACH = struct.Struct(">16s32sII")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass
 
 import pytest
 
@@ -15,6 +14,7 @@ from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.allreduce.plan import MIN_PART_BYTES, PART_SECONDS, paced_part_bytes
 from moshpitd.allreduce.rates import link_rates
 from moshpitd.allreduce.spans import optimal_shares, round_time
+from moshpitd.transport.stats import Stats
 
 GRID = 36  # brute force: every split of the vector in 1/GRID steps
 
@@ -114,21 +114,11 @@ def test_group_shares_leave_listeners_and_client_mode_peers_out() -> None:
     assert shares[0] > shares[1] and math.isclose(sum(shares), 1.0)
 
 
-@dataclass
-class FakeChannel:
-    bytes_in: int
-    bytes_out: int
-    first_in: float = 0.0
-    last_in: float = 0.0
-    first_out: float = 0.0
-    last_out: float = 0.0
-
-
 def test_link_rates_add_concurrent_connections_and_skip_small_ones() -> None:
     mib = 1 << 20
-    channels = [FakeChannel(4 * mib, 2 * mib, 1.0, 3.0, 1.0, 2.0),  # 2 MiB/s in, 2 out
-                FakeChannel(2 * mib, 8 * mib, 1.0, 2.0, 1.0, 5.0),  # 2 MiB/s in, 2 out
-                FakeChannel(1024, 1024, 1.0, 1.001, 1.0, 1.001)]  # latency: no rate
+    channels = [Stats(4 * mib, 2 * mib, 1.0, 3.0, 1.0, 2.0),  # 2 MiB/s in, 2 out
+                Stats(2 * mib, 8 * mib, 1.0, 2.0, 1.0, 5.0),  # 2 MiB/s in, 2 out
+                Stats(1024, 1024, 1.0, 1.001, 1.0, 1.001)]  # latency: no rate
     assert link_rates(channels) == (4 * mib, 4 * mib)
     assert link_rates([]) == (0.0, 0.0)
 
