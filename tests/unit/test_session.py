@@ -126,7 +126,9 @@ def test_the_pool_hands_out_live_sessions_to_that_peer_only_and_bounds_what_it_k
         for ch in others:
             pool.keep("h:1", ch)  # type: ignore[arg-type]
         assert len(pool) == 3 and [ch.closed for ch in others] == [1, 1, 0, 0, 0]
-        await asyncio.sleep(0.1)  # unused past idle_seconds: closed
+        async with asyncio.timeout(5):  # unused past idle_seconds: each closes
+            while any(ch.closed == 0 for ch in others):
+                await asyncio.sleep(0.005)
         assert len(pool) == 0 and all(ch.closed == 1 for ch in others)
         no_session = FakeChannel()
         no_session.session = None
