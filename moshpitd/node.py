@@ -21,13 +21,10 @@ from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.local.group import LocalGroups
 from moshpitd.matchmaking.admission import JoinAdmission
+from moshpitd.matchmaking.declaration import wait_background
 from moshpitd.matchmaking.errors import DuplicateRequest
 from moshpitd.matchmaking.liveness import Liveness
-from moshpitd.matchmaking.matchmaker import (
-    Matchmaker,
-    not_looking,
-    wait_background,
-)
+from moshpitd.matchmaking.matchmaker import Matchmaker, not_looking
 from moshpitd.matchmaking.runs import RunDirectory
 from moshpitd.matchmaking.signing import (
     PeerAuth,

@@ -16,10 +16,12 @@ rank), instead of only "other tensors".
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -126,3 +128,19 @@ class Candidate:
         """The earliest declaration leads. Every reader sees the same version in the record,
         so all peers agree on the order; a skewed clock only changes who leads."""
         return (self.version, self.peer_id)
+
+
+_BACKGROUND: set[asyncio.Future[Any]] = set()  # declarations and withdrawals in flight
+
+
+def in_background(task: asyncio.Future[Any]) -> None:
+    """Stores and withdrawals go on after the attempt that made them (a dead DHT node must
+    not delay the round that follows); `wait_background` lets a draining daemon finish them."""
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+async def wait_background() -> None:
+    """Let declarations and withdrawals in flight reach the DHT (a draining daemon waits)."""
+    if _BACKGROUND:
+        await asyncio.gather(*list(_BACKGROUND), return_exceptions=True)

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from moshpitd.allreduce.group import Group, GroupMember
@@ -40,6 +40,7 @@ class _Follower:
     request: pb.JoinRequest
     tls_binding: bytes = b""
     outbox: asyncio.Queue[pb.JoinResponse] = field(default_factory=asyncio.Queue)
+    joined: float = field(default_factory=time.monotonic)
 
 
 class GroupLeader:
@@ -115,6 +116,24 @@ class GroupLeader:
                 resp.suggested_leader_id = leader.peer_id
             f.outbox.put_nowait(resp)
         self.followers.clear()
+
+    def release_expired(self, deadlines: Mapping[bytes, float], now: float) -> int:
+        """Let go of each follower whose attempt has ended by its declaration (`deadlines`,
+        our clock; one from before it joined is an earlier attempt's and tells nothing). Such
+        a follower is about to leave on its own clock, and may already have: a group that
+        counted it on then (a last member joining as it hangs up) would start without it,
+        while it searches on alone. Told now, it starts its next attempt and asks again."""
+        gone = [peer for peer, f in self.followers.items()
+                if f.joined < deadlines.get(peer, math.inf) <= now]
+        for peer in gone:
+            self.followers.pop(peer).outbox.put_nowait(pb.JoinResponse(
+                code=pb.DISBANDED, message="your attempt ended before the group formed"))
+        return len(gone)
+
+    def next_release(self, deadlines: Mapping[bytes, float]) -> float:
+        """When `release_expired` lets the next follower go, by these deadlines."""
+        return min((d for peer, f in self.followers.items()
+                    if (d := deadlines.get(peer, math.inf)) > f.joined), default=math.inf)
 
     # --- leading: the server side of Join ---------------------------------------------------
     async def handle_join(self, request: pb.JoinRequest, tls_binding: bytes = b"",

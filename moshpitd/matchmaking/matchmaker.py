@@ -26,7 +26,7 @@ from moshpitd.dht.network import DHTNode
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.assembly import Action, AssemblyPolicy, Poll
 from moshpitd.matchmaking.declaration import MAX_TTL as DECLARATION_TTL
-from moshpitd.matchmaking.declaration import Candidate, Declaration
+from moshpitd.matchmaking.declaration import Candidate, Declaration, in_background
 from moshpitd.matchmaking.errors import GroupNotFound, MatchmakingError, NoPartners, SchemaMismatch
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, JoinAdmission, not_looking
 from moshpitd.matchmaking.liveness import Probe, Vitals
@@ -38,20 +38,6 @@ from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport.grpc_server import ChannelPool
 
 log = logging.getLogger(__name__)
-
-_BACKGROUND: set[asyncio.Future[Any]] = set()  # declarations and withdrawals in flight
-
-
-def _own(task: asyncio.Future[Any]) -> None:
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
-
-
-async def wait_background() -> None:
-    """Let declarations and withdrawals in flight reach the DHT (a draining daemon waits)."""
-    if _BACKGROUND:
-        await asyncio.gather(*list(_BACKGROUND), return_exceptions=True)
-
 
 # Protocol constants: how often we look at the DHT and at peers. Each is a latency of one DHT
 # read or Join call, the same for any attempt length or data-plane rate, so none is derived.
@@ -136,7 +122,7 @@ class Matchmaker:
             # Declared while the first poll reads the key: our store's datagrams leave first,
             # so they reach the holders before any Join that follows the read (leaders vet it)
             self.dht.check_record(self.req.key, self.me.peer_id, packed := self.declaration.pack())
-            _own(asyncio.ensure_future(self.dht.store_sub(
+            in_background(asyncio.ensure_future(self.dht.store_sub(
                 self.req.key, self.me.peer_id, packed, ttl, version=self._version)))
             group = None
             try:
@@ -166,7 +152,7 @@ class Matchmaker:
         """In the background: a dead DHT node must not delay the round that follows."""
         # the tombstone's version is taken now: it must rank below the next attempt's
         # declaration, which may reach the DHT before this task does
-        _own(asyncio.ensure_future(self._withdraw(self.dht.next_version())))
+        in_background(asyncio.ensure_future(self._withdraw(self.dht.next_version())))
 
     async def _withdraw(self, version: int) -> None:
         try:
@@ -184,13 +170,15 @@ class Matchmaker:
             self._wake.clear()  # what happens from here on (a join, a probe's answer) wakes us
             if self.assembled.done():
                 return self.assembled.result()
+            now = time.monotonic()
+            self._release_expired(now)
             if self.leading.accepting and self.policy.full(len(self.leading.followers)):
                 return self._assemble()  # full: no need to look at the DHT first
-            now = time.monotonic()
             # woken by a joiner, only our group changed: the DHT is read at the poll's timeout
             if read is None:
                 read = await self._read_by(self._clock.deadline)
             candidates, line = read
+            self._release_expired(time.monotonic())  # by what this read says
             candidates = self.vitals.proven(candidates, self.leading.followers)
             if self.leading.followers:
                 await self.vitals.probe_stragglers(candidates, self.leading.followers, now)
@@ -228,11 +216,20 @@ class Matchmaker:
                 if self.assembled.done():
                     return self.assembled.result()
             try:
-                async with asyncio.timeout(min(poll, max(decision.wake_at - time.monotonic(), 0))):
+                wake_at = min(decision.wake_at, self.leading.next_release(self._deadlines()))
+                async with asyncio.timeout(min(poll, max(wake_at - time.monotonic(), 0))):
                     await self._wake.wait()
                 poll = MIN_POLL
             except TimeoutError:
                 poll, read = min(poll * POLL_BACKOFF, MAX_POLL), None
+
+    def _release_expired(self, now: float) -> None:
+        if self.leading.followers and self.leading.release_expired(self._deadlines(), now):
+            self._wake.set()  # membership changed: decide again before sleeping
+
+    def _deadlines(self) -> dict[bytes, float]:
+        """Each peer's attempt's end, by the latest read of its declaration."""
+        return {p: c.deadline for p, c in self._read_last.items()}
 
     def _assemble(self) -> Group:
         group = self.leading.assemble()

@@ -154,6 +154,39 @@ def test_assembles_at_deadline_with_min_size_and_not_below() -> None:
     assert 0.9 <= seconds < 2.5, seconds
 
 
+def test_a_follower_whose_attempt_ends_is_released_and_rejoins(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The group needs 3 and only 2 wait: the follower's attempt ends first. Its leader lets it
+    go at its declared deadline instead of holding it until it hangs up on its own (a last
+    member joining as it hangs up would form a group it has left). It asks again in its next
+    attempt, so when the third peer comes, after the follower would have hung up, all three
+    form one group and nobody gave up on an accepted leader."""
+    caplog.set_level(logging.INFO, logger="moshpitd.matchmaking.matchmaker")
+
+    async def scenario(nodes: list[MoshpitNode]) -> list[Group]:
+        lead, follow, last = nodes
+        # (a declaration outliving ours by two attempts is ignored: 4 s is within reach)
+        mms = [matchmaker(lead, target=3, min_size=3, attempt=4.0),
+               matchmaker(follow, target=3, min_size=3, attempt=1.5),
+               matchmaker(last, target=3, min_size=3, attempt=4.0)]
+        tasks = [asyncio.create_task(search(lead, mms[0], 10))]
+        await until(lambda: mms[0]._version != 0)
+        tasks.append(asyncio.create_task(search(follow, mms[1], 10)))
+        followers = mms[0].leading.followers
+        await until(lambda: follow.peer_id in followers)
+        accepted, first = time.monotonic(), followers[follow.peer_id]
+        await until(lambda: followers.get(follow.peer_id) is not first, timeout=2.5)
+        assert time.monotonic() - accepted < 2.0  # before its 1 s patience past the deadline
+        await until(lambda: follow.peer_id in followers, timeout=3.0)  # its next attempt
+        await asyncio.sleep(max(accepted + 2.7 - time.monotonic(), 0))
+        tasks.append(asyncio.create_task(search(last, mms[2], 10)))
+        return list(await asyncio.gather(*tasks))
+
+    one_group(run_nodes(3, scenario), 3)
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any("did not assemble" in line for line in lines), lines
+
+
 def test_peers_declared_at_the_same_instant_all_form_groups() -> None:
     """Nine peers declare with the very same version, so only peer ids order them, and start
     in the same loop iteration: no wait cycle forms, everyone is in a group of 2..3 well before
