@@ -18,7 +18,7 @@ from kademlia.utils import digest
 from moshpitd.auth import SwarmKey
 from moshpitd.dht.crawl import BriskNodeCrawl, keep_running, settle
 from moshpitd.dht.protocol import SubkeyProtocol
-from moshpitd.dht.records import RecordVerifier, remaining, sign
+from moshpitd.dht.records import Proof, RecordVerifier, remaining, sign
 from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.identity import PeerKey
 
@@ -201,14 +201,32 @@ class DHTNode(Server):
             raise DHTError(f"a record of {len(value)} bytes under {key!r} exceeds "
                            f"dht_max_value_bytes={self.storage.max_value_bytes}")
 
+    def sign_sub(self, key: str, value: bytes, ttl: float, version: int) -> Proof:
+        """Our record's proof, as `store_sub` makes it: its writer may hand it to a peer
+        directly (a join carries its declaration, matchmaking/leading.py)."""
+        return sign(self.identity, digest(key), value, version, ttl)
+
+    def verify_sub(self, key: str, subkey: bytes, value: bytes, version: int, proof: Proof
+                   ) -> SubRecord | None:
+        """A record its writer handed us, as a lookup would take it: its signature checked
+        (or found verified before), its version plausible by our clock."""
+        now = time.time()
+        checked = self.verifier.check(digest(key), subkey, value, version, proof.ttl, proof,
+                                      now)
+        if checked is None:
+            return None
+        return SubRecord(value, version, remaining(version, checked, proof.ttl, now))
+
     async def store_sub(self, key: str, subkey: bytes, value: bytes, ttl: float,
-                        version: int | None = None) -> int:
+                        version: int | None = None, proof: Proof | None = None) -> int:
         """Sign our record and store it on the closest nodes and locally; returns how many
-        copies were accepted. Only our own subkey (our peer id) is ours to write."""
+        copies were accepted. Only our own subkey (our peer id) is ours to write. `proof`:
+        `sign_sub`'s for this very record, if it was already signed."""
         self.check_record(key, subkey, value)
         dkey = digest(key)
         version = self.next_version() if version is None else version
-        proof = sign(self.identity, dkey, value, version, ttl)
+        if proof is None:
+            proof = sign(self.identity, dkey, value, version, ttl)
         stored = int(self.storage.store_sub(dkey, subkey, value, version, ttl, proof))
         nodes = await self._nearest(dkey)
         results = await self._quorum(

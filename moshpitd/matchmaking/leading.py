@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from moshpitd.allreduce.group import Group, GroupMember
+from moshpitd.dht.records import Proof
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.admission import JoinAdmission
 from moshpitd.matchmaking.declaration import Candidate
@@ -32,7 +33,9 @@ log = logging.getLogger(__name__)
 # 7: shares fill the members' slack to a common level (allreduce/spans.py): a version-6 daemon
 # would plan other spans from the same rates.
 # 8: a GroupInfo carries every follower's signed join, and members refuse a group without them.
-PROTOCOL_VERSION = 8
+# 9: a join carries its signed declaration, and its signature covers it (a version-8 leader
+# would sign-check the join without those fields and refuse it as altered).
+PROTOCOL_VERSION = 9
 
 
 @dataclass
@@ -165,6 +168,7 @@ class GroupLeader:
         """A proven join: checked against its declaration, then held until the group forms."""
         reject = None
         if self.book is not None:
+            self.book.carried(request)
             why = await self.book.vouched(
                 lambda get: entry_fault(_member(request), get(request.peer_id),
                                         self.req.schema_hash))
@@ -250,6 +254,24 @@ class GroupLeader:
             return None
         return pb.JoinResponse(code=pb.UNAUTHENTICATED,
                                message=f"join as {request.peer_id.hex()[:8]} refused: {why}")
+
+
+def join_request(me: Self, req: MatchRequest, leader_id: bytes,
+                 carried: tuple[bytes, int, Proof] | None) -> pb.JoinRequest:
+    """What we send a leader to be taken: our entry, the declaration it was made under
+    (`carried`: value, version and proof, as stored in the DHT) and, with a peer key, the
+    signature that proves our peer id to that leader alone."""
+    request = pb.JoinRequest(
+        group_key=req.key, peer_id=me.peer_id, endpoint=me.endpoint,
+        schema_hash=req.schema_hash, weight=req.weight, client_mode=req.client_mode,
+        protocol_version=PROTOCOL_VERSION, data_endpoint=me.data_endpoint,
+        bandwidth=me.bandwidth, codec=req.codec)
+    if carried is not None:
+        request.declaration, request.declaration_version, proof = carried
+        request.declaration_ttl, request.declaration_signature = proof.ttl, proof.signature
+    if me.auth is not None:  # the leader takes only joins that prove our id
+        me.auth.sign_join(request, leader_id)
+    return request
 
 
 def _member(r: pb.JoinRequest) -> GroupMember:

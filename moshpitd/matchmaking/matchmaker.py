@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from grpc import aio
@@ -23,12 +24,13 @@ from grpc import aio
 from moshpitd.allreduce.group import Group
 from moshpitd.clock import LEADER_GRACE, AttemptClock
 from moshpitd.dht.network import DHTNode
+from moshpitd.dht.records import Proof
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.matchmaking.assembly import Action, AssemblyPolicy, Poll
 from moshpitd.matchmaking.declaration import MAX_TTL as DECLARATION_TTL
 from moshpitd.matchmaking.declaration import Candidate, Declaration, in_background
 from moshpitd.matchmaking.errors import GroupNotFound, MatchmakingError, NoPartners, SchemaMismatch
-from moshpitd.matchmaking.leading import PROTOCOL_VERSION, GroupLeader, JoinAdmission, not_looking
+from moshpitd.matchmaking.leading import GroupLeader, JoinAdmission, join_request, not_looking
 from moshpitd.matchmaking.liveness import Probe, Vitals
 from moshpitd.matchmaking.request import LineStatus, LineWatcher, MatchRequest, Self
 from moshpitd.matchmaking.shunned import SHUN_SECONDS
@@ -75,7 +77,8 @@ class Matchmaker:
         self._wake = asyncio.Event()
         self.book = DeclarationBook(lambda: dht.get_subs(request.key, max_ttl=DECLARATION_TTL),
                                     (me.peer_id, self.declaration),
-                                    lambda: dht.local_subs(request.key, DECLARATION_TTL))
+                                    lambda: dht.local_subs(request.key, DECLARATION_TTL),
+                                    verify=partial(dht.verify_sub, request.key))
         self.leading = GroupLeader(me, request, self._wake.set, self.book, hooks)
         self.policy = AssemblyPolicy(request.target_size, request.min_size,
                                      request.settle_seconds)
@@ -86,6 +89,7 @@ class Matchmaker:
         self._seen_match: set[bytes] = set()
         self._declared_now: set[bytes] = set()
         self._read_last: dict[bytes, Candidate] = {}  # the latest read's candidates
+        self._carried: tuple[bytes, int, Proof] | None = None  # this attempt's declaration
         self._version = 0
 
     @property
@@ -122,8 +126,10 @@ class Matchmaker:
             # Declared while the first poll reads the key: our store's datagrams leave first,
             # so they reach the holders before any Join that follows the read (leaders vet it)
             self.dht.check_record(self.req.key, self.me.peer_id, packed := self.declaration.pack())
+            proof = self.dht.sign_sub(self.req.key, packed, ttl, self._version)
+            self._carried = (packed, self._version, proof)  # our joins carry it
             in_background(asyncio.ensure_future(self.dht.store_sub(
-                self.req.key, self.me.peer_id, packed, ttl, version=self._version)))
+                self.req.key, self.me.peer_id, packed, ttl, version=self._version, proof=proof)))
             group = None
             try:
                 group = await self._attempt(final)
@@ -302,15 +308,7 @@ class Matchmaker:
         hops = 0
         while hops < MAX_HOPS:
             hops += 1
-            request = pb.JoinRequest(
-                group_key=self.req.key, peer_id=self.me.peer_id, endpoint=self.me.endpoint,
-                schema_hash=self.req.schema_hash, weight=self.req.weight,
-                client_mode=self.req.client_mode, protocol_version=PROTOCOL_VERSION,
-                data_endpoint=self.me.data_endpoint, bandwidth=self.me.bandwidth,
-                codec=self.req.codec,
-            )
-            if self.me.auth is not None:  # the leader takes only joins that prove our id
-                self.me.auth.sign_join(request, leader.peer_id)
+            request = join_request(self.me, self.req, leader.peer_id, self._carried)
             remaining = final - time.monotonic()
             if remaining <= 0:
                 return None
@@ -372,6 +370,8 @@ class Matchmaker:
             why = PeerAuth.check_group(resp.group_info, group, leader.peer_id,
                                        self.req.attempt_seconds)
             if why is None:  # signed by the leader we asked: then vet what it says
+                for admission in resp.group_info.admissions:  # (their signed declarations)
+                    self.book.carried(admission.join)
                 why = await self._vet(group)
             if why is not None:
                 log.warning("%s: left the group %s that %s led: %s", self.req.key,

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from moshpitd.allreduce.group import Group, GroupMember
-from moshpitd.matchmaking.declaration import Declaration
+from moshpitd.dht.records import Proof
+from moshpitd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES
+from moshpitd.matchmaking.declaration import MAX_TTL, Declaration
 from moshpitd.matchmaking.request import MatchRequest
+from moshpitd.proto import moshpit_pb2 as pb
 
 # The largest positive weight of a group is at most this many times the smallest. Reducers
 # scale weights so that the largest is 1 (allreduce/plan.py): a float32 weight below ~1e-38
@@ -105,6 +108,8 @@ class DeclarationBook:
     mine: tuple[bytes, Declaration] | None = None
     local: Callable[[], Mapping[bytes, Any]] | None = None  # DHTNode.local_subs: no lookup
     clock: Callable[[], float] = time.monotonic
+    # DHTNode.verify_sub under the key: a record its writer handed us, checked, or None
+    verify: Callable[[bytes, bytes, int, Proof], Any] | None = None
 
     def __post_init__(self) -> None:
         self._latest: dict[bytes, tuple[int, Declaration]] = {}
@@ -119,6 +124,20 @@ class DeclarationBook:
             held = self._latest.get(peer_id)
             if decl is not None and (held is None or held[0] < rec.version):
                 self._latest[peer_id] = (rec.version, decl)
+
+    def carried(self, join: pb.JoinRequest) -> None:
+        """The declaration a join carries (its writer's signed DHT record), once its
+        signature holds: what a lookup of the key would bring, a round trip sooner."""
+        if (self.verify is None or not join.declaration
+                or len(join.public_key) != PUBLIC_KEY_BYTES
+                or len(join.declaration_signature) != SIGNATURE_BYTES
+                or not 0.0 <= join.declaration_ttl <= MAX_TTL):
+            return
+        rec = self.verify(join.peer_id, join.declaration, join.declaration_version,
+                          Proof(join.declaration_ttl, join.public_key,
+                                join.declaration_signature))
+        if rec is not None and rec.ttl > 0:
+            self.absorb({join.peer_id: rec})
 
     def get(self, peer_id: bytes) -> Declaration | None:
         if self.mine is not None and peer_id == self.mine[0]:

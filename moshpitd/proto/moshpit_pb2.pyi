@@ -37,7 +37,7 @@ PROTOCOL_MISMATCH: JoinCode
 UNAUTHENTICATED: JoinCode
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group_key", "peer_id", "endpoint", "schema_hash", "weight", "client_mode", "protocol_version", "data_endpoint", "bandwidth", "codec", "public_key", "timestamp_ms", "nonce", "signature")
+    __slots__ = ("group_key", "peer_id", "endpoint", "schema_hash", "weight", "client_mode", "protocol_version", "data_endpoint", "bandwidth", "codec", "public_key", "timestamp_ms", "nonce", "signature", "declaration", "declaration_version", "declaration_ttl", "declaration_signature")
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,10 @@ class JoinRequest(_message.Message):
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    DECLARATION_FIELD_NUMBER: _ClassVar[int]
+    DECLARATION_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DECLARATION_TTL_FIELD_NUMBER: _ClassVar[int]
+    DECLARATION_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     group_key: str
     peer_id: bytes
     endpoint: str
@@ -66,7 +70,11 @@ class JoinRequest(_message.Message):
     timestamp_ms: int
     nonce: bytes
     signature: bytes
-    def __init__(self, group_key: _Optional[str] = ..., peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., bandwidth: _Optional[float] = ..., codec: _Optional[str] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    declaration: bytes
+    declaration_version: int
+    declaration_ttl: float
+    declaration_signature: bytes
+    def __init__(self, group_key: _Optional[str] = ..., peer_id: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., weight: _Optional[float] = ..., client_mode: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., data_endpoint: _Optional[str] = ..., bandwidth: _Optional[float] = ..., codec: _Optional[str] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., declaration: _Optional[bytes] = ..., declaration_version: _Optional[int] = ..., declaration_ttl: _Optional[float] = ..., declaration_signature: _Optional[bytes] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("code", "message", "suggested_leader", "suggested_leader_id", "group_info", "public_key", "probe_signature")

@@ -187,6 +187,30 @@ def test_a_follower_whose_attempt_ends_is_released_and_rejoins(
     assert not any("did not assemble" in line for line in lines), lines
 
 
+def test_joins_carry_their_declarations_so_nobody_reads_the_key_to_vet() -> None:
+    """Two followers whose declarations never reach the DHT (their stores are dropped) still
+    form a group with the leader they read: each join carries its signed declaration, and the
+    GroupInfo's admissions carry them on to the other members, so no member reads the key
+    again to vet a joiner or an entry (once a round trip each on a WAN)."""
+    async def scenario(nodes: list[MoshpitNode]) -> tuple[list[Group], list[int]]:
+        lead, *followers = nodes
+        mms = [matchmaker(node, target=3) for node in nodes]
+        for node in followers:
+            async def dropped(*args: Any, **kwargs: Any) -> int:
+                return 0
+            node.dht.store_sub = dropped  # type: ignore[method-assign]
+        tasks = [asyncio.create_task(search(lead, mms[0], 10))]
+        await until(lambda: mms[0]._version != 0)
+        tasks += [asyncio.create_task(search(n, m, 10))
+                  for n, m in zip(followers, mms[1:], strict=True)]
+        groups = list(await asyncio.gather(*tasks))
+        return groups, [mm.book.reads for mm in mms]
+
+    groups, reads = run_nodes(3, scenario)
+    one_group(groups, 3)
+    assert reads == [0, 0, 0], reads
+
+
 def test_peers_declared_at_the_same_instant_all_form_groups() -> None:
     """Nine peers declare with the very same version, so only peer ids order them, and start
     in the same loop iteration: no wait cycle forms, everyone is in a group of 2..3 well before

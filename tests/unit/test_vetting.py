@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from kademlia.utils import digest
 
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.dht.network import SubRecord
+from moshpitd.dht.records import Proof, RecordVerifier, remaining, sign
 from moshpitd.faults import TAMPERINGS, tampered
+from moshpitd.identity import PeerKey
 from moshpitd.matchmaking.admission import SLOT_MARGIN, JoinAdmission
-from moshpitd.matchmaking.declaration import Declaration
+from moshpitd.matchmaking.declaration import MAX_TTL, Declaration
 from moshpitd.matchmaking.request import MatchRequest
 from moshpitd.matchmaking.vetting import (
     READ_GAP,
@@ -22,6 +26,7 @@ from moshpitd.matchmaking.vetting import (
     shape_fault,
     weights_fault,
 )
+from moshpitd.proto import moshpit_pb2 as pb
 
 SCHEMA = b"\x01" * 16
 REQ = MatchRequest("k", SCHEMA, 1.0, 4, attempt_seconds=5.0, settle_seconds=0.5)
@@ -217,3 +222,35 @@ def test_a_leader_may_lower_a_declared_rate_never_raise_it() -> None:
     raised = replace(GROUP, members=(GROUP.members[0], replace(GROUP.members[1], bandwidth=1.5),
                                      GROUP.members[2]))
     assert "bandwidth differ from its declaration" in (vet(raised) or "")
+
+
+def test_a_join_carries_its_signed_declaration_and_only_a_signed_one_is_taken() -> None:
+    """A leader takes the declaration a join carries (its writer's DHT record) once its
+    signature holds: no lookup. Altered bytes, another writer's key or a lifetime past the
+    declarations' bound are not taken, and the book reads the key as before."""
+    key, other = PeerKey.generate(), PeerKey.generate()
+    dkey, version = digest("k"), time.time_ns()
+    decl = Declaration("me:1", SCHEMA, data_endpoint="me:2", weight=1.0, bandwidth=1.0)
+    verifier = RecordVerifier()
+
+    def verify(peer: bytes, value: bytes, ver: int, proof: Proof) -> SubRecord | None:
+        ok = verifier.check(dkey, peer, value, ver, proof.ttl, proof)
+        return None if ok is None else SubRecord(value, ver, remaining(ver, ok, proof.ttl))
+
+    def join(value: bytes, ttl: float = 5.0, signer: PeerKey = key) -> pb.JoinRequest:
+        proof = sign(signer, dkey, decl.pack(), version, ttl)
+        return pb.JoinRequest(peer_id=key.peer_id, public_key=signer.public, declaration=value,
+                              declaration_version=version, declaration_ttl=proof.ttl,
+                              declaration_signature=proof.signature)
+
+    async def read() -> dict[bytes, SubRecord]:
+        return {}
+
+    book = DeclarationBook(read, verify=verify)
+    altered = decl.pack().replace(b"me:1", b"me:9")
+    for bad in (join(altered), join(decl.pack(), signer=other),
+                join(decl.pack(), ttl=MAX_TTL + 1)):
+        book.carried(bad)
+        assert book.get(key.peer_id) is None
+    book.carried(join(decl.pack()))
+    assert book.get(key.peer_id) == decl
