@@ -102,13 +102,13 @@ Observer = Callable[[list[DaemonProcess]], None]
 
 def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
         extra_args: list[str] | None = None, observe: Observer | None = None,
-        timeout: float = ROUND_TIMEOUT) -> Summary:
+        timeout: float = ROUND_TIMEOUT, log_level: str = "WARNING") -> Summary:
     """`extra_args` go to every daemon, restarted ones too; `observe` is shown the daemons
     before every round (after the last killed one is back) and once after the last round;
-    `timeout` is each trainer's for its round."""
+    `timeout` is each trainer's for its round; `log_level` the daemons'."""
     rng = random.Random(seed)
     summary = Summary(peers, rounds)
-    with LocalSwarm(peers, workdir=workdir, log_level="WARNING",
+    with LocalSwarm(peers, workdir=workdir, log_level=log_level,
                     extra_args=extra_args) as swarm:
         daemons: list[DaemonProcess] = list(swarm.daemons)
         restarts = [0] * peers
@@ -168,7 +168,7 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
             restarts[victim] += 1
             alive = [d.dht for d in daemons if d.alive()][:3]
             daemons[victim] = start_daemon(f"d{victim}r{restarts[victim]}", swarm.workdir,
-                                           alive, "WARNING", extra_args)
+                                           alive, log_level, extra_args)
             swarm.daemons.append(daemons[victim])
             if verbose:
                 sizes = [o[1].group_size if isinstance(o, tuple) else 0 for o in outcome]
@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--daemon-log-level", default="WARNING", type=str.upper,
+                   help="the daemons' log level (their logs stay in --workdir)")
     p.add_argument("--workdir", type=Path, help="keep the daemons' logs here (default: a "
                    "temporary directory, removed)")
     g = p.add_argument_group("under attack (bench/soak_attack.py; needs root for cgroups)")
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.attack:
             from bench import soak_attack
             return soak_attack.main(args, workdir)
-        summary = run(args.peers, args.rounds, args.seed, workdir, args.verbose)
+        summary = run(args.peers, args.rounds, args.seed, workdir, args.verbose,
+                      log_level=args.daemon_log_level)
     report = summary.report()
     if args.json:
         print(json.dumps(report))

@@ -72,11 +72,12 @@ class Setup:
     # turns of the whole mix the attacker must have completed before the last round's daemons
     # stop (a short run waits for them, after its rounds: they are not timed)
     rotations: int = 0
+    log_level: str = "WARNING"  # the daemons'
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Setup:
         return cls(args.peers, args.rounds, args.seed, args.attack_cores, args.attacks,
-                   args.slot, args.verbose)
+                   args.slot, args.verbose, log_level=args.daemon_log_level)
 
 
 @dataclass
@@ -147,7 +148,8 @@ def run_phase(name: str, setup: Setup, workdir: Path, key: Path,
 
     try:
         summary = run(setup.peers, setup.rounds, setup.seed, workdir / "swarm", setup.verbose,
-                      ["--swarm-key-file", str(key)], observe, setup.timeout)
+                      ["--swarm-key-file", str(key)], observe, setup.timeout,
+                      setup.log_level)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
