@@ -42,8 +42,7 @@ from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.rates import BOTTLENECK, link_rates, stream_rate
 from moshpitd.allreduce.sender import Connector, SenderSide, Sessions
 from moshpitd.hooks import NO_HOOKS, Hooks
-from moshpitd.transport.dataplane import LEFT, Channel
-from moshpitd.transport.dial import flush_aborts
+from moshpitd.transport.dataplane import LEFT, Channel, flush_aborts
 from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.stats import Stats
 
@@ -163,9 +162,6 @@ class ButterflyRound:
                 self._time_peers(sender)
                 for ch in streams:
                     ch.close()  # nothing is received into staging buffers after this
-                # nor opened into them: a frame a cipher thread still opens is dropped, and
-                # the buffers go back to the pool only once it is done
-                await asyncio.gather(*(ch.quiet() for ch in streams))
                 self.ledger.close()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("round phases (s after its start): owners ready %.3f, parts sent %.3f, "

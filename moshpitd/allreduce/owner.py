@@ -118,7 +118,9 @@ class SenderSlot:
     def drained(self) -> bool:
         if self.released is not None:  # the connection may carry another round's stream
             return self.channel.flushed(self.released_end) or not self.channel.is_open()
-        return self.outbox.empty() and (self.channel.flushed() or not self.channel.is_open())
+        transport = self.channel.transport
+        return self.outbox.empty() and (transport is None or transport.is_closing()
+                                        or transport.get_write_buffer_size() == 0)
 
     async def write_results(self) -> None:
         """Results go back in the order parts become final."""

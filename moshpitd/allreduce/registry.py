@@ -34,8 +34,10 @@ from moshpitd.transport.dataplane import (
     Channel,
     DataPlaneError,
     FrameSink,
+    connect,
+    serve,
+    split_endpoint,
 )
-from moshpitd.transport.dial import connect, serve, split_endpoint
 from moshpitd.transport.handshake import Handshake, HandshakeError, Hello, UnsealedHello
 from moshpitd.transport.session import (
     ACCEPTED_IDLE_SECONDS,

@@ -18,7 +18,7 @@ from moshpitd.matchmaking.declaration import Candidate
 from moshpitd.matchmaking.request import MatchRequest, Self
 from moshpitd.matchmaking.vetting import DeclarationBook, entry_fault, weights_fault
 from moshpitd.proto import moshpit_pb2 as pb
-from moshpitd.transport.dial import split_endpoint
+from moshpitd.transport.dataplane import split_endpoint
 
 log = logging.getLogger(__name__)
 

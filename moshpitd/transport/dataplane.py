@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
-from moshpitd.transport.framecrypt import OFFLOAD_BYTES, TAG, FrameCipher, TamperedFrame, off_loop
+from moshpitd.transport.framecrypt import TAG, FrameCipher, TamperedFrame
 from moshpitd.transport.stats import Stats
 from moshpitd.transport.tcp import set_congestion, set_keepalive
 
@@ -51,7 +51,8 @@ BUSY = 3  # ABORT's aux: no room here for a stream of an unknown group now: open
 FRAME_SLACK = HEADER.size + TAG  # room a sink's buffer gives past a data frame's payload
 
 __all__ = ["ABORT", "BAD_VALUES", "BUSY", "FRAME_SLACK", "HEADER", "HELLO", "LEFT", "PART",
-           "READY", "RESULT", "Channel", "DataPlaneError", "FrameSink", "TamperedFrame"]
+           "READY", "RESULT", "Channel", "DataPlaneError", "FrameSink", "TamperedFrame",
+           "connect", "flush_aborts", "serve", "split_endpoint"]
 
 
 class DataPlaneError(Exception):
@@ -101,16 +102,6 @@ class Channel(asyncio.BufferedProtocol):
         self.bytes_in = 0
         self.bytes_out = 0
         self._written = 0  # bytes handed to the transport since the connection opened
-        # sealed frames leave in their nonces' order: one sender at a time, and control frames
-        # queued while a large one is sealed off the loop follow it
-        self._sending = asyncio.Lock()
-        self._sealing = False
-        self._deferred: list[tuple[int, int, bytes, int]] = []
-        # a large frame being opened off the loop (reading is paused until it is delivered),
-        # and how the connection ended meanwhile, if it did
-        self._opening: asyncio.Task[None] | None = None
-        self._lost: tuple[BaseException | None] | None = None
-        self._closed_here = False  # we closed or aborted: frames still opening are dropped
         # monotonic times of the first and last bytes each way (allreduce/rates.py)
         self.first_in = self.last_in = self.first_out = self.last_out = 0.0
 
@@ -122,8 +113,6 @@ class Channel(asyncio.BufferedProtocol):
         """Whether the transport has handed the kernel every byte queued on this connection
         up to offset `upto` (`written` then), default all: a stream that ended at some offset
         knows its own bytes are out, whatever a later stream queued after them."""
-        if upto is None and self._sealing:  # a frame is still being sealed off the loop
-            return False
         pending = 0
         if self.transport is not None and not self.transport.is_closing():
             pending = self.transport.get_write_buffer_size()
@@ -215,43 +204,11 @@ class Channel(asyncio.BufferedProtocol):
             self._hdr[:spill] = self._target[length:self._filled]
         self._target, self._filled, self._want = memoryview(self._hdr), spill, HEADER.size
         if self.cipher is not None:  # an altered frame never reaches the sink
-            nonce = self.cipher.receive_nonce()
-            if length >= OFFLOAD_BYTES and self.transport is not None:
-                # opened off the loop; the next frame (its header may be here already) waits,
-                # so the sink sees frames in order and its buffer is not written meanwhile
-                self.transport.pause_reading()
-                self._opening = asyncio.ensure_future(
-                    self._open(self.cipher, self._aad, nonce, kind, part, payload, aux))
-                return
-            payload = self.cipher.open_in_place(self._aad, payload, nonce)
-        self._deliver(kind, part, payload, aux)
-
-    def _deliver(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+            payload = self.cipher.open_in_place(self._aad, payload)
         if self.sink is not None:
             self.sink.on_frame(kind, part, payload, aux)
-        if self._filled == HEADER.size and not self.closed.done():  # (on_frame may abort)
+        if spill == HEADER.size and not self.closed.done():  # (on_frame may have aborted)
             self._header_done()
-
-    async def _open(self, cipher: FrameCipher, aad: bytes, nonce: bytes, kind: int, part: int,
-                    frame: memoryview, aux: int) -> None:
-        try:
-            payload = await off_loop(cipher.open_in_place, aad, frame, nonce)
-            if not self._closed_here:  # a frame in by the time we closed is dropped
-                self._deliver(kind, part, payload, aux)
-        except Exception as exc:  # a peer's bytes must never escape into the event loop
-            self.abort(exc)
-        finally:
-            self._opening = None
-            if self._lost is not None:
-                self._close_sink(self._lost[0])
-            elif self.transport is not None and not self.transport.is_closing():
-                self.transport.resume_reading()
-
-    async def quiet(self) -> None:
-        """Until no frame is being opened off the loop (it writes into the sink's buffer)."""
-        opening = self._opening
-        if opening is not None:
-            await asyncio.wait([opening])
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._can_write.set()
@@ -259,12 +216,6 @@ class Channel(asyncio.BufferedProtocol):
             self.gone.set_result(None)
         if not self.closed.done():
             self.closed.set_result(exc)
-        if self._opening is not None:  # the frame that came in before this goes first
-            self._lost = (exc,)
-        else:
-            self._close_sink(exc)
-
-    def _close_sink(self, exc: BaseException | None) -> None:
         if self.sink is not None:
             sink, self.sink = self.sink, None
             sink.on_close(exc if exc is not None else self.failure)
@@ -292,8 +243,15 @@ class Channel(asyncio.BufferedProtocol):
             self.bytes_out += HEADER.size + length
             self._written += HEADER.size + length
         else:  # sealed into a buffer that is reused once its bytes have left
-            async with self._sending:
-                await self._send_sealed(self.cipher, kind, part, payload, length, aux)
+            header = HEADER.pack(kind, 0, 0, part, length + TAG, aux)
+            released = self._written - self.transport.get_write_buffer_size()
+            buf = self.cipher.buffers.take(length + TAG, released)
+            sealed = memoryview(buf)[:length + TAG]
+            self.cipher.seal_into(header, payload, sealed)
+            self.transport.writelines((header, sealed))
+            self.bytes_out += HEADER.size + length + TAG
+            self._written += HEADER.size + length + TAG
+            self.cipher.buffers.hold(buf, self._written)
         if not self.first_out:
             self.first_out = time.monotonic()
         if then is not None:
@@ -301,33 +259,6 @@ class Channel(asyncio.BufferedProtocol):
         if not self._can_write.is_set():
             await self._can_write.wait()
         self.last_out = time.monotonic()  # the socket took all but its low-water mark
-
-    async def _send_sealed(self, cipher: FrameCipher, kind: int, part: int,
-                           payload: tuple[memoryview | bytes, ...], length: int, aux: int
-                           ) -> None:
-        assert self.transport is not None
-        header = HEADER.pack(kind, 0, 0, part, length + TAG, aux)
-        released = self._written - self.transport.get_write_buffer_size()
-        buf = cipher.buffers.take(length + TAG, released)
-        sealed = memoryview(buf)[:length + TAG]
-        nonce = cipher.send_nonce()
-        if length >= OFFLOAD_BYTES:
-            self._sealing = True
-            try:
-                await off_loop(cipher.seal_into, header, payload, sealed, nonce)
-            finally:
-                self._sealing = False
-            if self.transport.is_closing():
-                raise DataPlaneError("connection closed")
-        else:
-            cipher.seal_into(header, payload, sealed, nonce)
-        self.transport.writelines((header, sealed))
-        self.bytes_out += HEADER.size + length + TAG
-        self._written += HEADER.size + length + TAG
-        cipher.buffers.hold(buf, self._written)
-        deferred, self._deferred = self._deferred, []
-        for frame in deferred:
-            self.send_nowait(*frame)
 
     def progress(self) -> int:
         """Bytes that really moved: received, plus sent minus what still waits in our write
@@ -338,9 +269,6 @@ class Channel(asyncio.BufferedProtocol):
         return self.bytes_in + self.bytes_out - pending
 
     def send_nowait(self, kind: int, part: int, payload: bytes = b"", aux: int = 0) -> None:
-        if self._sealing:  # after the frame being sealed, whose nonce comes first
-            self._deferred.append((kind, part, payload, aux))
-            return
         if self.transport is not None and not self.transport.is_closing():
             if self.cipher is None:
                 frame = HEADER.pack(kind, 0, 0, part, len(payload), aux) + payload
@@ -355,7 +283,6 @@ class Channel(asyncio.BufferedProtocol):
         """Tell the peer why (best effort) and drop the connection."""
         message = str(exc).encode()[:MAX_CONTROL_PAYLOAD]
         log.debug("data channel aborted: %s", message.decode(errors="replace"))
-        self._closed_here = True
         self.send_nowait(ABORT, part, message, aux=code)
         self.aborted = True
         if self.failure is None:
@@ -371,9 +298,94 @@ class Channel(asyncio.BufferedProtocol):
         which it may overwrite as soon as its round returns (the peer sees the connection
         drop and keeps its own values, instead of getting someone's next tensors). To have an
         ABORT arrive, `flush_aborts` first."""
-        self._closed_here = True
         if self.transport is not None:
             if self.transport.get_write_buffer_size() > 0:
                 self.transport.abort()
             else:
                 self.transport.close()
+
+
+async def flush_aborts(channels: list[Channel], timeout: float) -> None:
+    """Until the ABORTs sent on these channels are out, or `timeout`: an ABORT is queued
+    behind the frames written before it, and `close` would drop them all, so the peer would see
+    the stream drop instead of hearing why. The frames ahead of it are views of the trainer's
+    buffer: call this before the round returns, while the buffer is still the round's."""
+    pending = [ch.gone for ch in channels if ch.aborted and not ch.gone.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
+
+
+# s before a second connection attempt races the first. A lost SYN (or SYN-ACK) is resent
+# after the kernel's initial retransmission timeout, 1 s, and every part of that member waits
+# with it: on a 1 % lossy link, about one round in four had a member that late. Connections
+# are usually up within a round trip; this is more than that on almost any path, so a healthy
+# connect never races, and a lost SYN costs this instead of a second.
+HEDGE_AFTER = 0.25
+
+
+async def connect(host: str, port: int, sink: FrameSink, max_payload: int,
+                  hedge_after: float = HEDGE_AFTER, congestion: str = "") -> Channel:
+    """A connection to a peer's data plane: the first of two attempts to be up, the second
+    started only if the first is not up after `hedge_after`. The loser never reaches the
+    sink, whenever it is given up; an error is raised only when both attempts failed."""
+    loop = asyncio.get_running_loop()
+    made: dict[asyncio.Future[Channel], list[Channel]] = {}
+
+    def attempt() -> asyncio.Future[Channel]:
+        channels: list[Channel] = []
+
+        def channel() -> Channel:  # it exists (and may be connected) before the result does
+            channels.append(Channel(sink, max_payload, congestion))
+            return channels[-1]
+
+        async def run() -> Channel:
+            return (await loop.create_connection(channel, host, port))[1]
+        task = asyncio.ensure_future(run())
+        made[task] = channels
+        return task
+
+    def discard(loser: asyncio.Future[Channel]) -> None:
+        """Cut from the sink before anything closes it: a connection that asyncio closes
+        because its attempt was cancelled must not tell the sink its stream is gone."""
+        for ch in made[loser]:
+            ch.sink = None
+            if ch.transport is not None:
+                ch.transport.close()
+        if not loser.done():
+            loser.cancel()
+            loser.add_done_callback(lambda _: discard(loser))
+
+    first = attempt()
+    try:
+        done, _ = await asyncio.wait({first}, timeout=hedge_after)
+    except asyncio.CancelledError:
+        discard(first)
+        raise
+    if done:
+        return first.result()
+    tries = [first, attempt()]
+    pending = set(tries)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            won = next((t for t in done if t.exception() is None), None)
+            if won is not None:
+                for other in tries:
+                    if other is not won:
+                        discard(other)
+                return won.result()
+    except asyncio.CancelledError:
+        for t in tries:
+            discard(t)
+        raise
+    return tries[0].result()  # both failed: the first attempt's error
+
+
+async def serve(host: str, port: int, accept: Callable[[], Channel]) -> asyncio.Server:
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(accept, host, port, reuse_address=True)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)

@@ -11,23 +11,12 @@ cost is the cipher's speed (AES-256-GCM measured 2.3 GB/s per core here on cold 
 only ~10 % faster, ChaCha20-Poly1305 0.6-0.7 GB/s), with no per-element work and no copy
 beyond the cipher's own output. Received frames are decrypted in place; sent ones are
 encrypted into buffers that are reused once the transport has handed their bytes to the kernel.
-
-Frames of OFFLOAD_BYTES or more are sealed and opened on worker threads (`off_loop`):
-`cryptography` releases the GIL in `encrypt_into` and `decrypt_into` for inputs of 2 KiB or
-more (from release 50), so the event loop keeps every other socket moving meanwhile, and with
-several cores the daemon's streams are sealed side by side. Nonces are taken on the loop, in the
-order the frames go out or came in.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -35,30 +24,6 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 TAG = 16
 KEY_BYTES = 32
 MAX_FREE = 4  # idle send buffers a stream keeps for its next frames
-# A 64 KiB frame takes ~30 us to seal here: below that a thread's hand-off costs as much
-OFFLOAD_BYTES = 64 << 10
-CIPHER_THREADS = 4  # at most; fewer on a machine with fewer cores
-
-T = TypeVar("T")
-_pool: ThreadPoolExecutor | None = None
-
-
-async def off_loop(fn: Callable[..., T], *args: object) -> T:
-    """fn(*args) on a cipher thread. A caller cancelled meanwhile still waits for the thread
-    to finish before it goes on: the thread reads or writes the caller's buffers, which the
-    caller may hand back (to the trainer, to a pool) as soon as it stops."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(min(CIPHER_THREADS, os.cpu_count() or 1),
-                                   thread_name_prefix="moshpit-cipher")
-    done = asyncio.get_running_loop().run_in_executor(_pool, fn, *args)
-    try:
-        return await asyncio.shield(done)
-    except asyncio.CancelledError:
-        while not done.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([done])
-        raise
 
 
 class TamperedFrame(Exception):
@@ -77,27 +42,14 @@ class FrameCipher:
 
     def seal(self, header: bytes, payload: bytes | memoryview) -> bytes:
         """A small frame's ciphertext and tag, as new bytes (control frames)."""
-        nonce = self.send_nonce()
+        nonce = self._next_send()
         return self._send.encrypt(nonce, payload, header)
 
-    def send_nonce(self) -> bytes:
-        """The next frame's nonce: frames must then leave in the order they took them."""
-        nonce = self._sent.to_bytes(12, "little")
-        self._sent += 1
-        return nonce
-
-    def receive_nonce(self) -> bytes:
-        """The nonce of the next frame that came in, in arrival order."""
-        nonce = self._received.to_bytes(12, "little")
-        self._received += 1
-        return nonce
-
     def seal_into(self, header: bytes, pieces: Sequence[bytes | memoryview],
-                  out: memoryview, nonce: bytes | None = None) -> None:
+                  out: memoryview) -> None:
         """Encrypt the pieces (one frame's payload) into `out`: their length plus TAG bytes. A
         frame of several pieces (a part across tensors) is gathered into `out` first and
-        encrypted there in place. `nonce`: taken earlier with `send_nonce` (thread-safe
-        then: nothing of this object changes)."""
+        encrypted there in place."""
         if len(pieces) == 1:
             data: bytes | memoryview = pieces[0]
         else:
@@ -107,22 +59,24 @@ class FrameCipher:
                 out[at:at + n] = piece
                 at += n
             data = out[:at]
-        self._send.encrypt_into(self.send_nonce() if nonce is None else nonce, data, header,
-                                out)
+        self._send.encrypt_into(self._next_send(), data, header, out)
 
-    def open_in_place(self, header: bytes, frame: memoryview, nonce: bytes | None = None
-                      ) -> memoryview:
-        """The plaintext of `frame` (ciphertext then tag), decrypted where it lies. `nonce`:
-        taken earlier with `receive_nonce`."""
-        nonce = self.receive_nonce() if nonce is None else nonce
+    def open_in_place(self, header: bytes, frame: memoryview) -> memoryview:
+        """The plaintext of `frame` (ciphertext then tag), decrypted where it lies."""
+        nonce = self._received.to_bytes(12, "little")
+        self._received += 1
         plain = frame[:len(frame) - TAG]
         try:
             self._receive.decrypt_into(nonce, frame, header, plain)
         except InvalidTag:
-            raise TamperedFrame(f"frame {int.from_bytes(nonce, 'little')} failed "
-                                "authentication (altered, injected or reordered on the way)"
-                                ) from None
+            raise TamperedFrame(f"frame {self._received - 1} failed authentication (altered, "
+                                "injected or reordered on the way)") from None
         return plain
+
+    def _next_send(self) -> bytes:
+        nonce = self._sent.to_bytes(12, "little")
+        self._sent += 1
+        return nonce
 
 
 class SendBuffers:

@@ -25,8 +25,10 @@ from moshpitd.transport.dataplane import (
     LEFT,
     RESULT,
     Channel,
+    connect,
+    flush_aborts,
+    serve,
 )
-from moshpitd.transport.dial import connect, flush_aborts, serve
 
 T = TypeVar("T")
 FRAMES, FRAME_BYTES = 48, 1 << 20  # 48 MiB: far more than the socket buffers take (tcp_[rw]mem)

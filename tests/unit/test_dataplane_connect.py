@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from moshpitd.transport import dial
-from moshpitd.transport.dataplane import Channel
-from moshpitd.transport.dial import connect
+from moshpitd.transport import dataplane
+from moshpitd.transport.dataplane import Channel, connect
 
 
 class Sink:
@@ -161,7 +160,7 @@ def test_when_both_attempts_fail_the_first_s_error_is_raised(
 
 
 def test_the_default_hedge_is_well_under_the_kernel_s_syn_timeout() -> None:
-    assert 0.05 <= dial.HEDGE_AFTER <= 0.5
+    assert 0.05 <= dataplane.HEDGE_AFTER <= 0.5
 
 
 def _available() -> list[str]:
