@@ -15,12 +15,15 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-import grpc
 import msgpack
-from grpc import aio
 
 from moshpitd.proto import moshpit_pb2 as pb
-from moshpitd.transport.grpc_server import ChannelPool
+from moshpitd.transport.control import (
+    FAILED_PRECONDITION,
+    NOT_FOUND,
+    ControlClient,
+    ControlError,
+)
 
 log = logging.getLogger("moshpitd.state")
 
@@ -79,7 +82,7 @@ def _check_header(info: Any, total: int) -> dict[str, Any]:
 Answer = tuple[Donor, dict[str, Any], bytes]  # a holder as it answered, the header, its bytes
 
 
-async def headers(key: str, version: int, holders: list[Donor], pool: ChannelPool,
+async def headers(key: str, version: int, holders: list[Donor], pool: ControlClient,
                    wait: float) -> tuple[list[Answer], int]:
     """Asks the holders for the version's header at once: those that answered, first first,
     once the first answered and the others had HEADER_AGREE_WAIT more; and how many said they
@@ -102,8 +105,8 @@ async def headers(key: str, version: int, holders: list[Donor], pool: ChannelPoo
                     answers.append(t.result())
                     continue
                 log.info("state donor %s failed: %r", tasks[t].endpoint, exc)
-                gone += isinstance(exc, aio.AioRpcError) and exc.code() in (
-                    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+                gone += isinstance(exc, ControlError) and exc.kind in (NOT_FOUND,
+                                                                       FAILED_PRECONDITION)
         if answers and pending:
             done, pending = await asyncio.wait(pending, timeout=HEADER_AGREE_WAIT)
             answers += [t.result() for t in done if t.exception() is None]
@@ -123,7 +126,7 @@ def agreed(answers: list[Answer]) -> list[Answer] | None:
     return best if len(best) >= 2 else None
 
 
-async def _first(pool: ChannelPool, donor: Donor, request: pb.StateRequest,
+async def _first(pool: ControlClient, donor: Donor, request: pb.StateRequest,
                  timeout: float) -> pb.StateChunk:
     call = pool.download(donor.endpoint, request, timeout)
     try:

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from grpc import aio
 from kademlia.node import Node
 
 from moshpitd.allreduce.layout import FlatView
@@ -39,6 +38,7 @@ from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog
 from moshpitd.runner import Endpoints, RoundRunner
 from moshpitd.state import StateStore
+from moshpitd.transport.control import Caller, ControlError
 from moshpitd.transport.gate import GateLimits
 from moshpitd.transport.grpc_server import AveragerServer, ChannelPool, ServerLimits
 from moshpitd.transport.handshake import Handshake
@@ -304,18 +304,18 @@ class MoshpitNode:
         call = self.pool.join(endpoint, request, timeout=PROBE_TIMEOUT)
         try:
             answer = await call.read()
-            return answer is not aio.EOF and proves_peer(answer, request.nonce, peer_id)
-        except aio.AioRpcError:
+            return answer is not None and proves_peer(answer, request.nonce, peer_id)
+        except ControlError:
             return False
         finally:
             call.cancel()
 
     # --- gRPC handlers --------------------------------------------------------------------
-    async def _handle_state(self, request: pb.StateRequest, context: aio.ServicerContext
+    async def _handle_state(self, request: pb.StateRequest, caller: Caller
                             ) -> AsyncIterator[pb.StateChunk]:
         if self.states is None:
             return
-        async for chunk in self.states.serve(request, context):
+        async for chunk in self.states.serve(request):
             yield chunk
 
     def _vouch(self, request: pb.JoinRequest, binding: bytes, peer: str) -> None:
@@ -328,14 +328,13 @@ class MoshpitNode:
             gate.vouch(peer, request.peer_id)
 
     async def _handle_join(self, request: pb.JoinRequest,
-                           context: aio.ServicerContext) -> AsyncIterator[pb.JoinResponse]:
+                           caller: Caller) -> AsyncIterator[pb.JoinResponse]:
         if is_probe(request):
             yield self.auth.answer_probe(request)
             return
         # over TLS, a join must be signed for the certificate its caller presented
-        binding = (tls_binding_of(context.auth_context()) if self.config.tls is not None
-                   else b"")
-        self._vouch(request, binding, context.peer())
+        binding = tls_binding_of(caller.certificate) if self.config.tls is not None else b""
+        self._vouch(request, binding, caller.address)
         mm = self.matchmakers.get(request.group_key)
         if mm is None:
             yield not_looking(request.group_key)

@@ -34,7 +34,7 @@ from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.metrics import Metrics
 from moshpitd.node_config import NodeConfig, ShuttingDown
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog, RoundRecord
-from moshpitd.transport.grpc_server import ChannelPool
+from moshpitd.transport.control import ControlClient
 from moshpitd.transport.handshake import ENCRYPTED
 
 log = logging.getLogger("moshpitd.node")
@@ -65,7 +65,7 @@ class Endpoints:
 
 
 class RoundRunner:
-    def __init__(self, config: NodeConfig, me: Endpoints, dht: DHTNode, pool: ChannelPool,
+    def __init__(self, config: NodeConfig, me: Endpoints, dht: DHTNode, pool: ControlClient,
                  registry: RoundRegistry, hooks: Hooks, metrics: Metrics, rounds: RoundLog,
                  liveness: Liveness, draining: Callable[[], bool]) -> None:
         self.config = config

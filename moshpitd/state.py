@@ -20,9 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import grpc
 import msgpack
-from grpc import aio
 
 from moshpitd.dht.network import DHTNode
 from moshpitd.donors import (
@@ -36,7 +34,12 @@ from moshpitd.donors import (
 )
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.proto import moshpit_pb2 as pb
-from moshpitd.transport.grpc_server import ChannelPool
+from moshpitd.transport.control import (
+    FAILED_PRECONDITION,
+    NOT_FOUND,
+    ControlClient,
+    ControlError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +152,12 @@ class StateStore:
             return snaps[-1]
         return next((snap for snap in snaps if snap.version == version), None)
 
-    async def serve(self, request: pb.StateRequest,
-                    context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
+    async def serve(self, request: pb.StateRequest) -> AsyncIterator[pb.StateChunk]:
         snap = self._find(request.key, request.version)
         if snap is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND if request.key not in self.snapshots
-                                else grpc.StatusCode.FAILED_PRECONDITION,
-                                f"no state of version {request.version} for {request.key!r}")
-            return
+            raise ControlError(NOT_FOUND if request.key not in self.snapshots
+                               else FAILED_PRECONDITION,
+                               f"no state of version {request.version} for {request.key!r}")
         # a joiner that asked for this version gets it to the end, even if our trainer
         # publishes newer ones meanwhile
         snap.leased_until = time.monotonic() + LEASE
@@ -194,7 +195,7 @@ class StateStore:
                             d.peer_id.hex()[:8], d.version, kept[0].version)
         return kept
 
-    async def header(self, key: str, pool: ChannelPool, timeout: float, version: int = 0
+    async def header(self, key: str, pool: ControlClient, timeout: float, version: int = 0
                      ) -> tuple[Donor, dict[str, Any], list[Donor]]:
         """The latest state's description (or that of `version`) and the donors that hold it,
         the one that answered first."""
@@ -234,7 +235,7 @@ class StateStore:
             await asyncio.sleep(DONOR_POLL)
 
     async def download(self, key: str, info: dict[str, Any], donors: list[Donor],
-                       into: memoryview, pool: ChannelPool, timeout: float) -> int:
+                       into: memoryview, pool: ControlClient, timeout: float) -> int:
         """Fills `into` with the state; returns how many donors served it. Every range is
         checked against the header's digest; a donor that fails or sends other bytes is
         replaced by the next holder, and its range resumes where it stopped (or starts over,
@@ -278,7 +279,7 @@ class StateStore:
                 try:
                     await fetch(d, index, pos)
                     served.add(d.peer_id)
-                except (aio.AioRpcError, ValueError) as exc:
+                except (ControlError, ValueError) as exc:
                     resume = at.get(index, pos)
                     log.info("state donor %s failed at byte %d: %r; its range moves on",
                              d.endpoint, resume, exc)

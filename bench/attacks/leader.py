@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator
 
 import numpy as np
-from grpc import aio
 
 from bench.attacks.dht_wire import RawDHT, hostport
 from bench.attacks.loop import LoopThread
@@ -28,6 +27,7 @@ from moshpitd.identity import PeerKey
 from moshpitd.matchmaking.declaration import Declaration
 from moshpitd.matchmaking.signing import PeerAuth, is_probe
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.control import Caller
 from moshpitd.transport.dataplane import HEADER, HELLO, PART
 from moshpitd.transport.grpc_server import AveragerServer
 from moshpitd.transport.handshake import Handshake
@@ -69,12 +69,12 @@ class FakeLeader:
         gport = await self.server.start("127.0.0.1", 0)
         return f"127.0.0.1:{gport}", f"127.0.0.1:{dport}"
 
-    async def _state(self, request: pb.StateRequest, context: aio.ServicerContext
+    async def _state(self, request: pb.StateRequest, caller: Caller
                      ) -> AsyncIterator[pb.StateChunk]:
         return
         yield
 
-    async def _join(self, request: pb.JoinRequest, context: aio.ServicerContext
+    async def _join(self, request: pb.JoinRequest, caller: Caller
                     ) -> AsyncIterator[pb.JoinResponse]:
         assert self.assembled is not None
         if is_probe(request):  # it proves itself alive, as any daemon does

@@ -16,8 +16,6 @@ import concurrent.futures as cf
 import socket
 import time
 
-from grpc import aio
-
 from bench.attacks.dht_wire import RawDHT, hostport
 from bench.attacks.hello import hello_stream
 from bench.attacks.leader import FakeLeader
@@ -29,6 +27,7 @@ from moshpitd.matchmaking.declaration import Declaration
 from moshpitd.matchmaking.leading import PROTOCOL_VERSION
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport.control import ControlError
 from moshpitd.transport.grpc_server import ChannelPool
 from moshpitd.transport.security import Security
 
@@ -124,16 +123,16 @@ class JoinFlood(_Declared):
         call = self.pool.join(via, request, timeout=self.TIMEOUT)
         try:
             first = await call.read()
-            if first is aio.EOF:
+            if first is None:
                 return "EOF"
             if first.code == pb.ACCEPTED:  # held open: a member that will never send
                 last = first
-                while (answer := await call.read()) is not aio.EOF:
+                while (answer := await call.read()) is not None:
                     last = answer
                 return f"ACCEPTED, then {pb.JoinCode.Name(last.code)}"
             return str(pb.JoinCode.Name(first.code))
-        except aio.AioRpcError as exc:
-            return f"rpc {exc.code().name}"
+        except ControlError as exc:
+            return f"rpc {exc.kind}"
         finally:
             call.cancel()
 

@@ -17,9 +17,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
-
-from grpc import aio
 
 from moshpitd.allreduce.group import Group
 from moshpitd.clock import LEADER_GRACE, AttemptClock
@@ -37,7 +34,7 @@ from moshpitd.matchmaking.shunned import SHUN_SECONDS
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.matchmaking.vetting import DeclarationBook, entries_fault, shape_fault
 from moshpitd.proto import moshpit_pb2 as pb
-from moshpitd.transport.grpc_server import ChannelPool
+from moshpitd.transport.control import Answers, ControlClient, ControlError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +58,7 @@ WITHDRAWN_TTL = 30.0  # s
 
 
 class Matchmaker:
-    def __init__(self, me: Self, dht: DHTNode, pool: ChannelPool, request: MatchRequest,
+    def __init__(self, me: Self, dht: DHTNode, pool: ControlClient, request: MatchRequest,
                  watcher: LineWatcher | None = None, probe: Probe | None = None,
                  hooks: Hooks = NO_HOOKS) -> None:
         self.me = me
@@ -318,7 +315,7 @@ class Matchmaker:
                 nxt = await self._follow_call(call, leader)
                 log.debug("%s: join %s -> %s", self.me.peer_id.hex()[:6],
                           leader.peer_id.hex()[:6], type(nxt).__name__)
-            except (aio.AioRpcError, TimeoutError) as exc:
+            except (ControlError, TimeoutError) as exc:
                 log.debug("join %s failed: %r", leader.peer_id.hex()[:8], exc)
                 nxt = None
             finally:
@@ -333,10 +330,11 @@ class Matchmaker:
             leader = nxt
         return None
 
-    async def _follow_call(self, call: Any, leader: Candidate) -> Group | Candidate | None:
+    async def _follow_call(self, call: Answers[pb.JoinResponse], leader: Candidate
+                           ) -> Group | Candidate | None:
         async with asyncio.timeout(self._clock.answer_wait(time.monotonic())):
             first = await call.read()
-        if first is aio.EOF:
+        if first is None:
             return None
         log.debug("%s: %s answers %s %s", self.me.peer_id.hex()[:6], leader.peer_id.hex()[:6],
                   pb.JoinCode.Name(first.code), first.message)
@@ -361,7 +359,7 @@ class Matchmaker:
                     log.info("%s: leader %s accepted us and did not assemble within our "
                              "attempt", self.req.key, leader.peer_id.hex()[:8])
                 return None
-            if resp is aio.EOF:
+            if resp is None:
                 return None
         else:
             resp = first

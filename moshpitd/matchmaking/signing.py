@@ -184,10 +184,9 @@ def admissions_fault(info: pb.GroupInfo, group: Group, leader_id: bytes, attempt
     return None
 
 
-def tls_binding_of(auth_context: dict[str, list[bytes]]) -> bytes:
-    """The digest of the certificate a gRPC peer presented (empty without TLS)."""
-    pems = auth_context.get("x509_pem_cert") or []
+def tls_binding_of(pem: bytes) -> bytes:
+    """The digest of the certificate a caller presented (PEM; empty without TLS)."""
     try:
-        return cert_digest(pems[0]) if pems else b""
+        return cert_digest(pem) if pem else b""
     except ValueError:
         return b"\x00"  # a certificate we cannot read binds to nothing a signature covers

@@ -7,13 +7,14 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from moshpitd.proto import moshpit_pb2 as pb
+from moshpitd.transport import control
 from moshpitd.transport.gate import Gate, GateLimits
 from moshpitd.transport.security import Security
 
@@ -43,9 +44,8 @@ RPCS_PER_ADDRESS = "rpcs_per_address"  # `limit` labels of moshpitd_grpc_refused
 WRITE_STALLED = "write_stalled"
 
 T = TypeVar("T")
+M = TypeVar("M")
 
-JoinHandler = Callable[[pb.JoinRequest, aio.ServicerContext], AsyncIterator[pb.JoinResponse]]
-StateHandler = Callable[[pb.StateRequest, aio.ServicerContext], AsyncIterator[pb.StateChunk]]
 
 
 def channel_options(max_message: int) -> list[tuple[str, Any]]:
@@ -75,7 +75,7 @@ class AveragerServer:
     """Serves the control plane (Join, DownloadState) with generic handlers, behind a gate
     that bounds connections per address (None: gRPC listens on the address itself)."""
 
-    def __init__(self, join: JoinHandler, state: StateHandler,
+    def __init__(self, join: control.JoinHandler, state: control.StateHandler,
                  max_message: int = DEFAULT_MAX_MESSAGE, security: Security | None = None,
                  limits: ServerLimits | None = ServerLimits(),
                  on_refuse: Callable[[str], None] | None = None) -> None:
@@ -105,10 +105,11 @@ class AveragerServer:
         sec = self.security
         handlers = {
             "Join": grpc.unary_stream_rpc_method_handler(
-                self._bounded(self._join), **sec.server_side(JOIN, pb.JoinRequest,
+                self._bounded(_serving(self._join)), **sec.server_side(JOIN, pb.JoinRequest,
                                                              pb.JoinResponse)),
             "DownloadState": grpc.unary_stream_rpc_method_handler(
-                self._bounded(self._state), **sec.server_side(DOWNLOAD_STATE, pb.StateRequest,
+                self._bounded(_serving(self._state)), **sec.server_side(DOWNLOAD_STATE,
+                                                                         pb.StateRequest,
                                                               pb.StateChunk)),
         }
         self.server.add_generic_rpc_handlers(
@@ -210,18 +211,78 @@ class ChannelPool:
                 _ = old.close()
         return ch
 
-    def join(self, endpoint: str, request: pb.JoinRequest, timeout: float) -> Any:
+    def join(self, endpoint: str, request: pb.JoinRequest, timeout: float
+             ) -> GrpcAnswers[pb.JoinResponse]:
         method = self.channel(endpoint).unary_stream(
             JOIN, **self.security.client_side(JOIN, pb.JoinRequest, pb.JoinResponse))
-        return method(request, timeout=timeout)
+        return GrpcAnswers(method(request, timeout=timeout))
 
-    def download(self, endpoint: str, request: pb.StateRequest, timeout: float) -> Any:
+    def download(self, endpoint: str, request: pb.StateRequest, timeout: float
+                 ) -> GrpcAnswers[pb.StateChunk]:
         method = self.channel(endpoint).unary_stream(
             DOWNLOAD_STATE,
             **self.security.client_side(DOWNLOAD_STATE, pb.StateRequest, pb.StateChunk))
-        return method(request, timeout=timeout)
+        return GrpcAnswers(method(request, timeout=timeout))
 
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+
+
+def _serving(handler: Callable[[T, control.Caller], AsyncIterator[Any]]
+             ) -> Callable[[T, aio.ServicerContext], AsyncIterator[Any]]:
+    """A transport-free handler as gRPC calls it: the caller from its context, a ControlError
+    as the matching status."""
+    async def serve(request: T, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        pems = context.auth_context().get("x509_pem_cert") or [b""]
+        try:
+            async for response in handler(request, control.Caller(context.peer(), pems[0])):
+                yield response
+        except control.ControlError as exc:
+            await context.abort(_STATUS.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc))
+    return serve
+
+
+_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: control.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: control.DEADLINE,
+    grpc.StatusCode.NOT_FOUND: control.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: control.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: control.EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED: control.REFUSED,
+    grpc.StatusCode.PERMISSION_DENIED: control.REFUSED,
+    grpc.StatusCode.CANCELLED: control.CANCELLED,
+}
+_STATUS = {kind: code for code, kind in _KINDS.items() if code != grpc.StatusCode.PERMISSION_DENIED}
+
+
+class GrpcAnswers(Generic[M]):
+    """transport/control.py's `Answers` over a grpc.aio unary-stream call: its EOF is None,
+    its status a ControlError of the matching kind."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    async def read(self) -> M | None:
+        try:
+            answer = await self._call.read()
+        except aio.AioRpcError as exc:
+            raise _control_error(exc) from None
+        return None if answer is aio.EOF else cast(M, answer)
+
+    async def _answers(self) -> AsyncIterator[M]:
+        while (answer := await self.read()) is not None:
+            yield answer
+
+    def __aiter__(self) -> AsyncIterator[M]:
+        return self._answers()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def _control_error(exc: aio.AioRpcError) -> control.ControlError:
+    code = exc.code()
+    return control.ControlError(_KINDS.get(code, control.FAILED),
+                                f"{code.name}: {exc.details() or ''}"[:300])
