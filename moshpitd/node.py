@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from kademlia.node import Node
-
 from moshpitd.allreduce.layout import FlatView
 from moshpitd.allreduce.registry import REFUSED_IDENTITY, RoundRegistry
 from moshpitd.clock import stream_wait
@@ -286,11 +284,10 @@ class MoshpitNode:
             del self._active[request.key]
 
     def _is_contact(self, peer_id: bytes) -> bool:
-        """A peer in our DHT routing table: it answered the DHT under the swarm key (probed
-        first: throw-away identities seldom get there)."""
+        """A DHT contact that answered our calls under the swarm key (probed first: a
+        throw-away identity that only sent us datagrams is no contact)."""
         proto = getattr(self.dht, "protocol", None)
-        return proto is not None and len(peer_id) == 20 and \
-            not proto.router.is_new_node(Node(peer_id))
+        return proto is not None and proto.is_contact(peer_id)
 
     def _protected(self, writer: bytes) -> bool:
         """Records that keep their places under a full key: ours, and live peers'."""

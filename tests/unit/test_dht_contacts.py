@@ -18,6 +18,7 @@ from tests.unit.dht_fakes import (
     WRITER_A,
     A,
     B,
+    signed,
 )
 from tests.unit.dht_fakes import in_loop as _in_loop
 from tests.unit.dht_fakes import proto as _proto
@@ -129,5 +130,24 @@ def test_one_lost_reply_keeps_the_contact_two_drop_it() -> None:
         proto.handle_call_response((False, None), node)
         assert proto.router.is_new_node(node)  # two in a row: dropped
         assert proto.rpcs[("sent", "any", "timeout")] == 3
+
+    _in_loop(body)
+
+
+def test_a_node_that_only_sent_requests_is_no_trusted_contact_until_it_answers() -> None:
+    """Kademlia puts any request's sender in its table, and node ids cost nothing: a flood of
+    made-up ids once made each a 'contact', whose records a replica answers first and whose
+    declarations matchmaking probes first. Only an answer to a call of ours earns that."""
+    proto = _proto()
+
+    async def body() -> None:
+        assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(WRITER_A, b"v", NOW, 30.0))
+        assert not proto.router.is_new_node(Node(PEER_ID))  # routed to, as Kademlia does
+        assert not proto.is_contact(PEER_ID)
+        proto.handle_call_response((True, PEER_ID), Node(PEER_ID, *ADDR))
+        assert proto.is_contact(PEER_ID)
+        for _ in range(2):  # dropped after two silent calls: no contact either
+            proto.handle_call_response((False, None), Node(PEER_ID, *ADDR))
+        assert not proto.is_contact(PEER_ID)
 
     _in_loop(body)
