@@ -19,6 +19,7 @@ from kademlia.utils import digest
 
 from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
 from moshpitd.buckets import Bucket, lru_bucket
+from moshpitd.dht.answered import Answered
 from moshpitd.dht.records import Proof, RecordVerifier, remaining
 from moshpitd.dht.storage import StoredSub, SubkeyStorage
 
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 MAX_DATAGRAM = 65507
 DEPARTED_SECONDS = 60.0
 MISSES_TO_DROP = 2
-ANSWERED = 4096  # nodes remembered as having answered our calls (a routing table holds fewer)
 WELCOME_RATE = 5.0  # new contacts per second that get the records they should hold
 WELCOME_BURST = 50
 # Records per second handed to new contacts, over all of them: a member that shows up under
@@ -86,7 +86,7 @@ class SubkeyProtocol(KademliaProtocol):
         self.rpcs: Counter[tuple[str, str, str]] = Counter()
         self.departed: dict[bytes, float] = {}  # said goodbye -> until when we ignore it
         self._misses: dict[bytes, int] = {}  # contact -> unanswered RPCs in a row
-        self._answered: OrderedDict[bytes, None] = OrderedDict()  # nodes that answered us
+        self.answered = Answered()  # contacts that earned trust (dht/answered.py)
         self._welcome_tokens = float(WELCOME_BURST)
         self._handover_tokens = float(HANDOVER_BURST)
         self._welcome_at = storage.clock()
@@ -236,15 +236,9 @@ class SubkeyProtocol(KademliaProtocol):
             rows.append([sk, s.value, s.version, ttl, s.proof.wire()])
         return rows
 
-    def answered(self, node_id: bytes) -> None:  # (handle_call_response: an answer came)
-        self._answered.pop(node_id, None)
-        self._answered[node_id] = None
-        if len(self._answered) > ANSWERED:
-            self._answered.popitem(last=False)
-
     def is_contact(self, node_id: bytes) -> bool:
         """In our table, and answered us (a request's free node id earns no trust)."""
-        return node_id in self._answered and not self.router.is_new_node(Node(node_id))
+        return node_id in self.answered and not self.router.is_new_node(Node(node_id))
 
     def rpc_leave(self, sender: tuple[str, int], nodeid: bytes) -> bool:
         """A draining daemon says goodbye, so we stop routing to it now rather than after
@@ -313,7 +307,7 @@ class SubkeyProtocol(KademliaProtocol):
         nid = bytes(node.id)
         if result[0]:
             self._misses.pop(nid, None)
-            self.answered(nid)
+            self.answered.add(nid, (node.ip, node.port))
         else:
             if len(self._misses) > 10_000:  # ids that failed once and were never seen again
                 self._misses.clear()
@@ -325,6 +319,7 @@ class SubkeyProtocol(KademliaProtocol):
             # fresh ids would write thousands a second
             log.debug("no response from %s, removing from router", node)
             self.router.remove_contact(node)
+            self.answered.drop(nid)
             return result
         self.welcome_if_new(node)
         return result

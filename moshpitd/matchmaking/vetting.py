@@ -98,6 +98,11 @@ def entries_fault(group: Group, req: MatchRequest, lookup: Lookup) -> str | None
     return None
 
 
+# Declarations a book takes from joins (each one's signature checked) before it takes no more
+# from strangers: more than the peers one key matches, far fewer than a flood of identities.
+MAX_CARRIED_BOOK = 4096
+
+
 @dataclass
 class DeclarationBook:
     """The latest declaration of each peer read under one key, withdrawn ones included: a
@@ -128,6 +133,11 @@ class DeclarationBook:
     def carried(self, join: pb.JoinRequest) -> None:
         """The declaration a join carries (its writer's signed DHT record), once its
         signature holds: what a lookup of the key would bring, a round trip sooner."""
+        held = self._latest.get(join.peer_id)
+        if held is not None and held[0] >= join.declaration_version:
+            return  # nothing newer: no signature to check
+        if held is None and len(self._latest) >= MAX_CARRIED_BOOK:
+            return  # a flood of joins under made-up ids: the key's own reads still count
         if (self.verify is None or not join.declaration
                 or len(join.public_key) != PUBLIC_KEY_BYTES
                 or len(join.declaration_signature) != SIGNATURE_BYTES

@@ -38,9 +38,10 @@ class ControlError(Exception):
 
 @dataclass(frozen=True)
 class Caller:
-    """Who made a call, as the transport saw it: its address (host:port, as the transport
-    names it) and, over TLS, the certificate it presented (PEM; empty without TLS). Its peer
-    id is proven by what it signs, not by this."""
+    """Who made a call, as the transport saw it: its end of the connection, in the transport's
+    own naming (gRPC's peer string; behind the gate, the gate's connection, which it maps back
+    to the remote address), and, over TLS, the certificate it presented (PEM; empty without
+    TLS). Its peer id is proven by what it signs, not by this."""
 
     address: str
     certificate: bytes = b""
@@ -54,9 +55,10 @@ StateHandler = Callable[[pb.StateRequest, Caller], AsyncIterator[pb.StateChunk]]
 
 class Answers(Protocol[M]):
     """A call's answers in order. `read` gives the next, or None once the peer ended the call;
-    it raises ControlError if the call failed (TimeoutError only from a caller's own
-    timeout around it). Iterating gives the same answers until the end. `cancel` ends the call
-    from our side; it may be called at any time, more than once."""
+    it raises ControlError if the call failed or was cancelled (TimeoutError only from a
+    caller's own timeout around it; CancelledError only when the reading task itself is
+    cancelled). Iterating gives the same answers until the end. `cancel` ends the call from our
+    side; it may be called at any time, more than once."""
 
     async def read(self) -> M | None: ...
 

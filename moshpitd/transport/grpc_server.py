@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
@@ -195,11 +195,13 @@ class ChannelPool:
                  security: Security | None = None) -> None:
         self.max_message = max_message
         self.security = security or Security()
-        self._channels: dict[str, aio.Channel] = {}
+        self._channels: OrderedDict[str, aio.Channel] = OrderedDict()
 
     def channel(self, endpoint: str) -> aio.Channel:
         ch = self._channels.get(endpoint)
-        if ch is None:
+        if ch is not None:
+            self._channels.move_to_end(endpoint)  # the least recently used one goes first
+        else:
             options = [*channel_options(self.max_message), *self.security.channel_options()]
             creds = self.security.channel_credentials()
             ch = (aio.insecure_channel(endpoint, options=options) if creds is None
@@ -269,6 +271,13 @@ class GrpcAnswers(Generic[M]):
             answer = await self._call.read()
         except aio.AioRpcError as exc:
             raise _control_error(exc) from None
+        except asyncio.CancelledError:
+            # the call was cancelled (by `cancel`, or with its channel), not our task
+            task = asyncio.current_task()
+            if self._call.cancelled() and (task is None or not task.cancelling()):
+                raise control.ControlError(control.CANCELLED, "the call was cancelled"
+                                           ) from None
+            raise
         return None if answer is aio.EOF else cast(M, answer)
 
     async def _answers(self) -> AsyncIterator[M]:

@@ -1,6 +1,7 @@
 """The control plane's interface (transport/control.py) over its gRPC implementation, on
 loopback: handlers see the caller, stream answers that end in None, and refuse with a
-ControlError whose kind reaches the caller; a peer nobody serves is `unavailable`."""
+ControlError whose kind reaches the caller; a call cancelled on our side is `cancelled` to
+its reader; a peer nobody serves is `unavailable`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def test_answers_end_in_none_and_refusals_keep_their_kind() -> None:
     async def join(request: pb.JoinRequest, caller: Caller) -> AsyncIterator[pb.JoinResponse]:
         callers.append(caller)
         yield pb.JoinResponse(code=pb.ACCEPTED)
+        if request.group_key == "hold":  # answers nothing more until the caller hangs up
+            await asyncio.Event().wait()
         yield pb.JoinResponse(code=pb.DISBANDED, message=request.group_key)
 
     async def state(request: pb.StateRequest, caller: Caller) -> AsyncIterator[pb.StateChunk]:
@@ -41,6 +44,19 @@ def test_answers_end_in_none_and_refusals_keep_their_kind() -> None:
             assert second is not None and (second.code, second.message) == (pb.DISBANDED, "k")
             assert await call.read() is None  # the handler ended the call
             assert callers and callers[0].address and callers[0].certificate == b""
+
+            # our side cancels a call another task is reading: that reader hears a
+            # ControlError, not a CancelledError that would end its own task
+            held = pool.join(endpoint, pb.JoinRequest(group_key="hold"), timeout=5)
+            assert (await held.read()) is not None
+            reading = asyncio.ensure_future(held.read())
+            await asyncio.sleep(0.05)
+            held.cancel()
+            try:
+                await reading
+                raise AssertionError("a cancelled call answered")
+            except ControlError as exc:
+                assert exc.kind == control.CANCELLED, exc
 
             chunks = pool.download(endpoint, pb.StateRequest(key="here", version=1), timeout=5)
             assert [c.offset async for c in chunks] == [0, 3]

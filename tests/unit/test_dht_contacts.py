@@ -146,8 +146,14 @@ def test_a_node_that_only_sent_requests_is_no_trusted_contact_until_it_answers()
         assert not proto.is_contact(PEER_ID)
         proto.handle_call_response((True, PEER_ID), Node(PEER_ID, *ADDR))
         assert proto.is_contact(PEER_ID)
-        for _ in range(2):  # dropped after two silent calls: no contact either
-            proto.handle_call_response((False, None), Node(PEER_ID, *ADDR))
-        assert not proto.is_contact(PEER_ID)
+        # an answer proves the address, not the id: one trusted id per address, the last
+        other = b"\x05" * 20
+        proto.handle_call_response((True, other), Node(other, *ADDR))
+        assert proto.is_contact(other) and not proto.is_contact(PEER_ID)
+        for _ in range(2):  # dropped after two silent calls: no contact either, even when
+            proto.handle_call_response((False, None), Node(other, *ADDR))
+        assert proto.rpc_store_sub(ADDR, other, *signed(WRITER_A, b"w", NOW + 1, 30.0))
+        assert not proto.router.is_new_node(Node(other))  # it is routed to again at once
+        assert not proto.is_contact(other)
 
     _in_loop(body)

@@ -71,7 +71,7 @@ def test_find_subs_answers_what_one_datagram_holds_proven_writers_first() -> Non
         assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(w, b"v" * 900, NOW, 30.0))
     contact = writers[5].peer_id  # a daemon we talk to, stored long ago
     proto.router.add_contact(Node(contact, "10.0.0.5", 4000))
-    proto.answered(contact)  # (a node that only sent us requests would be no contact)
+    proto.answered.add(contact, ("10.0.0.5", 4000))  # (one that only sent requests: none)
     rows = proto.rpc_find_subs(ADDR, PEER_ID, KEY)["subs"]
     reply = b"\x01" + b"\x00" * 20 + umsgpack.packb({"subs": rows})
     assert len(reply) <= MAX_DATAGRAM - OVERHEAD

@@ -31,7 +31,7 @@ def test_a_read_checks_contacts_and_proven_writers_past_the_unproven_budget() ->
         flood = [PeerKey.generate() for _ in range(3 * UNPROVEN_PER_READ)]
         contact, proven = PeerKey.generate(), PeerKey.generate()
         node.protocol.router.add_contact(Node(contact.peer_id, "127.0.0.1", 4000))
-        node.protocol.answered(contact.peer_id)
+        node.protocol.answered.add(contact.peer_id, ("127.0.0.1", 4000))
         node.storage.protected = {proven.peer_id}.__contains__
         # the replica answers the flood first (its latest records), ours last
         answer = [row(w, b"junk", now) for w in flood]

@@ -233,7 +233,10 @@ def test_a_join_carries_its_signed_declaration_and_only_a_signed_one_is_taken() 
     decl = Declaration("me:1", SCHEMA, data_endpoint="me:2", weight=1.0, bandwidth=1.0)
     verifier = RecordVerifier()
 
+    checks = []
+
     def verify(peer: bytes, value: bytes, ver: int, proof: Proof) -> SubRecord | None:
+        checks.append(peer)
         ok = verifier.check(dkey, peer, value, ver, proof.ttl, proof)
         return None if ok is None else SubRecord(value, ver, remaining(ver, ok, proof.ttl))
 
@@ -254,3 +257,6 @@ def test_a_join_carries_its_signed_declaration_and_only_a_signed_one_is_taken() 
         assert book.get(key.peer_id) is None
     book.carried(join(decl.pack()))
     assert book.get(key.peer_id) == decl
+    before = len(checks)
+    book.carried(join(decl.pack()))  # nothing newer than what the book holds: not checked
+    assert len(checks) == before
