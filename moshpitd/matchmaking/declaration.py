@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ import msgpack
 # A declaration lives one matchmaking attempt (matchmaking_attempt_timeout is at most 600 s):
 # one signed to live longer is dated further back than any peer's attempt, and ignored
 MAX_TTL = 600.0
+UNPACKED_ENTRIES = 8192  # declarations remembered by their bytes (each at most a few 100 B)
+_UNPACKED: OrderedDict[bytes, Declaration | None] = OrderedDict()
 # 3: a shard host's per-rank digests; 2: the whole group entry and `withdrawn` (1 had endpoint,
 # schema, client mode)
 FORMAT = 3
@@ -56,7 +59,20 @@ class Declaration:
 
     @classmethod
     def unpack(cls, raw: bytes) -> Declaration | None:
-        """None for anything that is not a well-formed declaration (peers are untrusted)."""
+        """None for anything that is not a well-formed declaration (peers are untrusted).
+        Remembered by its bytes: every poll reads the key's declarations again, each as it
+        was (a key flooded with hundreds of them cost a daemon their parsing twice a poll)."""
+        if raw in _UNPACKED:
+            _UNPACKED.move_to_end(raw)
+            return _UNPACKED[raw]
+        decl = cls._parse(raw)
+        _UNPACKED[raw] = decl
+        if len(_UNPACKED) > UNPACKED_ENTRIES:
+            _UNPACKED.popitem(last=False)
+        return decl
+
+    @classmethod
+    def _parse(cls, raw: bytes) -> Declaration | None:
         try:
             obj = msgpack.unpackb(raw)
         except Exception:

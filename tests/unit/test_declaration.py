@@ -201,3 +201,16 @@ def test_schema_mismatch_names_the_smallest_rank_and_carries_it() -> None:
     assert str(err).endswith(": they differ")
     plain = SchemaMismatch("they differ", b"", peers)
     assert plain.rank is None and plain.extra == {} and str(plain) == "they differ"
+
+
+def test_declarations_read_again_are_parsed_once_and_the_memory_of_them_is_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from moshpitd.matchmaking import declaration as module
+
+    monkeypatch.setattr(module, "UNPACKED_ENTRIES", 8)
+    monkeypatch.setattr(module, "_UNPACKED", module.OrderedDict())
+    raws = [Declaration(f"h:{i}", b"s" * 32).pack() for i in range(20)] + [b"junk"]
+    first = [Declaration.unpack(r) for r in raws]
+    assert [Declaration.unpack(r) for r in raws] == first  # the same answers from memory
+    assert first[-1] is None and first[3] == Declaration("h:3", b"s" * 32)
+    assert len(module._UNPACKED) == 8
