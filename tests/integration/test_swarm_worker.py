@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 import torch
 
-from bench.runners import free_port
 from bench.swarm.corpus import CorpusNotFound, load_corpus
 from bench.swarm.workload import evaluate
 
@@ -44,7 +43,9 @@ def _spec(tmp: Path, resume: str | None, budget: float, system: str) -> Path:
             "start_file": str(tmp / "start"), "out_dir": str(tmp / "out"),
             "shared_dir": str(tmp.parent / "shared"), "snapshot_every_s": 0.5,
             "ddp": {"world": [0], "generation": 0 if resume is None else 1,
-                    "master": f"127.0.0.1:{free_port()}", "resume": resume,
+                    # a world of one: its store binds a port of its own (a port picked free
+                    # here was once taken by another test's daemon before the worker bound it)
+                    "master": "127.0.0.1:0", "resume": resume,
                     "checkpoint_every_s": 1.0},
             "knobs": {}}
     tmp.mkdir(parents=True)
