@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moshpitd.allreduce.group import Group, GroupMember
-from moshpitd.dht.records import Proof
-from moshpitd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES
+from moshpitd.dht.records import Proof, parse_proof
 from moshpitd.matchmaking.declaration import MAX_TTL, Declaration
 from moshpitd.matchmaking.request import MatchRequest
 from moshpitd.proto import moshpit_pb2 as pb
@@ -138,14 +137,12 @@ class DeclarationBook:
             return  # nothing newer: no signature to check
         if held is None and len(self._latest) >= MAX_CARRIED_BOOK:
             return  # a flood of joins under made-up ids: the key's own reads still count
-        if (self.verify is None or not join.declaration
-                or len(join.public_key) != PUBLIC_KEY_BYTES
-                or len(join.declaration_signature) != SIGNATURE_BYTES
-                or not 0.0 <= join.declaration_ttl <= MAX_TTL):
+        proof = parse_proof([join.declaration_ttl, join.public_key,
+                             join.declaration_signature])
+        if (self.verify is None or not join.declaration or proof is None
+                or not 0.0 <= proof.ttl <= MAX_TTL):
             return
-        rec = self.verify(join.peer_id, join.declaration, join.declaration_version,
-                          Proof(join.declaration_ttl, join.public_key,
-                                join.declaration_signature))
+        rec = self.verify(join.peer_id, join.declaration, join.declaration_version, proof)
         if rec is not None and rec.ttl > 0:
             self.absorb({join.peer_id: rec})
 

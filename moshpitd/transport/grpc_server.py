@@ -105,12 +105,11 @@ class AveragerServer:
         sec = self.security
         handlers = {
             "Join": grpc.unary_stream_rpc_method_handler(
-                self._bounded(_serving(self._join)), **sec.server_side(JOIN, pb.JoinRequest,
-                                                             pb.JoinResponse)),
+                self._bounded(_serving(self._join)),
+                **sec.server_side(JOIN, pb.JoinRequest, pb.JoinResponse)),
             "DownloadState": grpc.unary_stream_rpc_method_handler(
-                self._bounded(_serving(self._state)), **sec.server_side(DOWNLOAD_STATE,
-                                                                         pb.StateRequest,
-                                                              pb.StateChunk)),
+                self._bounded(_serving(self._state)),
+                **sec.server_side(DOWNLOAD_STATE, pb.StateRequest, pb.StateChunk)),
         }
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)

@@ -50,7 +50,8 @@ def test_answers_end_in_none_and_refusals_keep_their_kind() -> None:
             held = pool.join(endpoint, pb.JoinRequest(group_key="hold"), timeout=5)
             assert (await held.read()) is not None
             reading = asyncio.ensure_future(held.read())
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0)  # the reader is in read() now, waiting for an answer
+            assert not reading.done()
             held.cancel()
             try:
                 await reading
