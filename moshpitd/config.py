@@ -192,6 +192,18 @@ class Settings:
         "(about 0.4 ns per byte sent or received) on a network you trust: the handshake still "
         "proves each stream's peer, but the frames after it can be read and altered on the "
         "way.")
+    check_results: str = option(
+        Choice(("auto", "on", "off")), "auto", SECURITY,
+        "auto: every member checks each other owner's span, at 128 coordinates drawn after its "
+        "results were sent, against what the span's contributors say they sent (signed), and "
+        "applies it only if it agrees, whenever swarm_key_file or TLS is set; on: always; off: "
+        "never",
+        note="Part of what peers match on: daemons with different effective settings never "
+        "group. A span that fails keeps the trainer's own values, and its owner is named in the "
+        "log and /metrics and no longer grouped with. Checks mean and trimmed_mean; "
+        "centered_clip rounds run unchecked (docs/security-identity.md, \"Checked "
+        "reductions\"). The cost is two round trips at a round's end and a copy of the "
+        "results; `off` saves them in a swarm whose members trust each other.")
     tls_cert: str = option(
         Str("PATH"), "", SECURITY,
         "PEM certificate for mutual TLS on gRPC (matchmaking, state downloads, health); "

@@ -10,7 +10,8 @@ KIND: crash-before-send, crash-mid-send (after one part on a link), stall-send (
 one part on every link), slow-send (pauses SLOW_SECONDS once, then goes on), trickle-send
 (sleeps TRICKLE_SECONDS before every part: slow but never silent), crash-while-reducing (at a
 contribution), stall-reduce, poison-results (a reducer puts an Inf into the first result on
-each of its streams), die-mid-serve (a state donor exits after sending part of a range to a
+each of its streams), lie-results (a reducer returns 1000.0 for every element of its span,
+from round ROUND on: the lying owner of checked reductions), die-mid-serve (a state donor exits after sending part of a range to a
 joiner; ROUND is ignored), hang-listener (the whole daemon hangs, its event loop blocked like
 a stopped host, as the first round in which it has weight 0 starts; ROUND is ignored),
 tamper-group (a leader alters each group it sends its followers, in turn: TAMPERINGS; ROUND is
@@ -33,7 +34,8 @@ from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.hooks import Hooks
 
 KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send", "trickle-send",
-         "crash-while-reducing", "stall-reduce", "poison-results", "die-mid-serve",
+         "crash-while-reducing", "stall-reduce", "poison-results", "lie-results",
+         "die-mid-serve",
          "hang-listener", "tamper-group"}
 STALL_SECONDS = 3600.0
 SLOW_SECONDS = 1.5
@@ -161,6 +163,9 @@ class FaultPlan(Hooks):
         if self._now("stall-reduce"):
             self._fire()
             await asyncio.sleep(STALL_SECONDS)
+        if payload and self.kind == "lie-results" and self.rounds >= self.at_round:
+            self._fire()
+            return codec.encode(np.full(numel, 1000.0, dtype=np.float32))
         if sent == 0 and payload and self._now("poison-results"):  # the first result only
             self._fire()
             return poisoned(codec, payload, numel, dtype)

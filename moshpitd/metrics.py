@@ -64,12 +64,34 @@ class Metrics:
                                   registry=r)
         self.draining = Gauge("moshpitd_draining", "1 while the daemon drains after SIGTERM",
                               registry=r)
+        self.span_checks = Counter(
+            "moshpitd_span_checks", "Other owners' spans checked before they were applied, by "
+            "result: passed; failed (the result disagreed with its contributors' signed claims: "
+            "the span kept local values and its owner is shunned); unchecked (the check could "
+            "not finish: the span kept local values)", ["result"], registry=r)
+        for result in ("passed", "failed", "unchecked"):
+            self.span_checks.labels(result)
+        self.last_liar = Info("moshpitd_check_last_liar", "The last owner whose span failed "
+                              "this daemon's check (one series: peer ids are unbounded)",
+                              registry=r)
         Info("moshpitd_build", "Build information", registry=r).info({
             "version": __version__, "python": platform.python_version(),
             "grpcio": grpc.__version__})
         for result in ("ok", "partial", "alone", "skipped", "matchmaking_failed",
                        "allreduce_failed", "shutting_down"):
             self.rounds.labels(result)  # every result present from the start, at 0
+
+    def observe_checks(self, passed: int, failed: int, unchecked: int) -> None:
+        for result, n in (("passed", passed), ("failed", failed), ("unchecked", unchecked)):
+            if n > 0:
+                self.span_checks.labels(result).inc(n)
+
+    def observe_liar(self, peer_id: str) -> None:
+        self.last_liar.info({"peer_id": peer_id})
+
+    def watch_liars(self, count: Callable[[], int]) -> None:
+        Gauge("moshpitd_check_liars", "Owners this daemon no longer groups with because their "
+              "span failed its check", registry=self.registry).set_function(count)
 
     def observe_round(self, codec: str, sent: int, received: int,
                       excluded: dict[str, int] | None = None) -> None:

@@ -29,7 +29,7 @@ from moshpitd.matchmaking.liveness import Liveness
 from moshpitd.matchmaking.matchmaker import LineWatcher, Matchmaker, MatchRequest, Self
 from moshpitd.matchmaking.request import SettlePolicy
 from moshpitd.matchmaking.runs import GridMismatch, RunDirectory
-from moshpitd.matchmaking.shunned import Shunned
+from moshpitd.matchmaking.shunned import LIAR_SECONDS, Shunned
 from moshpitd.matchmaking.signing import PeerAuth
 from moshpitd.metrics import Metrics
 from moshpitd.node_config import NodeConfig, ShuttingDown
@@ -83,6 +83,12 @@ class RoundRunner:
         self.settle = SettlePolicy()
         self.matchmakers: dict[str, Matchmaker] = {}  # key -> matchmaking in progress
         self.shunned = Shunned()  # leaders that stalled us, over all keys
+        # owners whose span failed our check: never grouped with again while we run
+        self.liars = Shunned(LIAR_SECONDS)
+        metrics.watch_liars(lambda: len(self.liars))
+        self.checked = config.check_results == "on" or (
+            config.check_results == "auto"
+            and (config.swarm_key is not None or config.tls is not None))
         self.peer_rates = PeerRates()  # what each peer's streams carried to us, over all keys
         metrics.watch_rates(lambda: self.peer_rates.capped)
         self.finding: dict[str, asyncio.Future[Group]] = {}
@@ -210,7 +216,8 @@ class RoundRunner:
         match = MatchRequest(
             key=key, schema_hash=schema_hash(request.specs, request.codec, request.aggregation,
                                                self.config.part_size,
-                                               self.registry.handshake.mode == ENCRYPTED),
+                                               self.registry.handshake.mode == ENCRYPTED,
+                                               self.checked),
             weight=weight, target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, longest_attempt=clock.attempt_max, expected=expected,
             codec=request.codec,
@@ -219,7 +226,7 @@ class RoundRunner:
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure
                   self.config.bandwidth or self.deadlines.link_mbit, self.me.auth, self.shunned,
-                  self.liveness, self.peer_rates)
+                  self.liars, self.liveness, self.peer_rates)
         mm = Matchmaker(me, self.dht, self.pool, match, watcher, self.probe, self.hooks)
         self.matchmakers[key] = mm
         finding = asyncio.ensure_future(mm.find_group(attempt if single_attempt
@@ -247,7 +254,7 @@ class RoundRunner:
                              get_codec(group.codec), self.registry.connect,
                              self.registry.handshake, self.config.part_size, self.hooks,
                              aggregation, self.config.max_parts_in_flight,
-                             sessions=self.registry)
+                             sessions=self.registry, checked=self.checked)
         self.registry.register(rnd)
         try:
             result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))
@@ -255,9 +262,25 @@ class RoundRunner:
             self.registry.unregister(group.group_id)
         for peer, rate in result.peer_rates:
             self.peer_rates.observe(peer, rate)
+        if rnd.plan.checking:
+            self._judged(group, len(set(rnd.plan.by_owner) - {rnd.plan.me}), result)
         clock.learn(result.bytes_sent + result.bytes_received, result.seconds, result.rates,
                     complete=result.parts_averaged == result.parts)
         return result
+
+
+    def _judged(self, group: Group, owners: int, result: RoundResult) -> None:
+        """Owners whose span failed our check are named, counted and never grouped with
+        again (docs/security-identity.md, "Checked reductions")."""
+        for index in result.lied:
+            peer = group.members[index].peer_id
+            self.liars.add(peer)
+            log.warning("the result of %s (%s) failed our check in group %s: its span kept "
+                        "our values, and we no longer group with it", peer.hex(),
+                        group.members[index].endpoint, group.group_id.hex()[:8])
+            self.metrics.observe_liar(peer.hex())
+        self.metrics.observe_checks(owners - len(result.lied) - result.unchecked,
+                                    len(result.lied), result.unchecked)
 
 
 async def _data_in(request: AverageRequest, clock: RoundClock) -> None:

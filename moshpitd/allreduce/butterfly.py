@@ -70,6 +70,8 @@ class RoundResult:
     owned: int = 0  # elements this peer reduced for the group
     excluded_parts: dict[str, int] = field(default_factory=dict)  # fault kind -> parts
     rates: tuple[float, float] = (0.0, 0.0)  # bytes/s we sent and received at (rates.py)
+    lied: tuple[int, ...] = ()  # owners whose span failed its check (allreduce/verifier.py)
+    unchecked: int = 0  # owners whose span's check could not finish (it kept local values)
     # bytes/s that members whose links held their streams to us back carried (the faster of
     # their results and their parts): what a leader caps declared rates by
     peer_rates: tuple[tuple[bytes, float], ...] = ()
@@ -80,11 +82,14 @@ class ButterflyRound:
                  connect: Connector, handshake: Handshake,
                  part_bytes: int = DEFAULT_PART_BYTES, hooks: Hooks = NO_HOOKS,
                  aggregation: str = "mean", max_in_flight: int = 64,
-                 sessions: Sessions | None = None) -> None:
-        self.plan = RoundPlan(group, my_index, view, codec, part_bytes)
+                 sessions: Sessions | None = None, checked: bool = False) -> None:
+        self.plan = RoundPlan(group, my_index, view, codec, part_bytes, aggregation, checked)
         self.ledger = Ledger(self.plan)
         self.hooks = hooks
-        self.reducer = ReducerSide(self.plan, self.ledger, hooks, aggregation, max_in_flight)
+        self.reducer = ReducerSide(self.plan, self.ledger, hooks, aggregation, max_in_flight,
+                                   handshake.key)
+        self.lied: tuple[int, ...] = ()
+        self.unchecked = 0
         self._connect = connect
         self._handshake = handshake
         self._max_in_flight = max_in_flight
@@ -132,13 +137,16 @@ class ButterflyRound:
         self.reducer.seed_own()
         leaving = False
         reduced = start
+        checking: asyncio.Task[None] | None = None
         try:
             await self.reducer.wait_for_senders(deadlines.deadline, deadlines.hard,
                                                 deadlines.stall_window)
             reduced = time.monotonic()
+            checking = asyncio.create_task(self.reducer.run_check(
+                deadlines.hard + deadlines.grace, deadlines.grace))
             await self.reducer.wait_for_listeners(min(deadlines.start_wait_until,
                                                       deadlines.deadline))
-            await self._wait_for_owners(sender, deadlines)
+            await self._wait_for_owners(sender, deadlines, checking)
             sender.fail_unanswered("no result by the round's deadline")
         except BaseException:
             leaving = True
@@ -146,8 +154,11 @@ class ButterflyRound:
                 ch.abort("the peer left the round", code=LEFT)
             raise
         finally:
+            if checking is not None:
+                checking.cancel()
             self.ledger.closed = True  # the trainer owns its buffer again: late events write
             self.reducer.stop()        # nothing
+            self._judge(sender)
             try:
                 await sender.stop()
                 if leaving:  # every member hears why, not a dropped stream: see flush_aborts
@@ -188,7 +199,17 @@ class ButterflyRound:
         fastest = max(rates.values(), default=0.0)
         self.peer_rates = {p: r for p, r in rates.items() if r < BOTTLENECK * fastest}
 
-    async def _wait_for_owners(self, sender: SenderSide, d: RoundDeadlines) -> None:
+    def _judge(self, sender: SenderSide) -> None:
+        """Which owners' spans failed their check, and how many could not be checked."""
+        checks = [link for link in sender.links if link.check is not None]
+        self.lied = tuple(link.owner for link in checks if link.check and link.check.lied)
+        self.unchecked = sum(1 for link in checks if link.check is not None
+                             and not link.waiting  # (else the owner failed, as ever)
+                             and not (link.check.verdict and link.check.verdict.ok)
+                             and not link.check.lied)
+
+    async def _wait_for_owners(self, sender: SenderSide, d: RoundDeadlines,
+                               checking: asyncio.Task[None] | None = None) -> None:
         """Until every owner answered all our parts (or failed) and our results went out.
         An owner may be waiting on a slow third member: while bytes still move anywhere in
         the round, keep waiting, a stall window at a time up to the hard stop plus grace."""
@@ -198,6 +219,8 @@ class ButterflyRound:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                     await sender.all_answered()
+                    if checking is not None:
+                        await asyncio.shield(checking)
                     while not self.reducer.drained():
                         await asyncio.sleep(DRAIN_POLL)
                 return
@@ -223,4 +246,4 @@ class ButterflyRound:
                            seconds, self.reducer.excluded,
                            sum(p.numel for p in plan.my_parts),
                            dict(self.reducer.excluded_parts), self.rates,
-                           tuple(self.peer_rates.items()))
+                           self.lied, self.unchecked, tuple(self.peer_rates.items()))

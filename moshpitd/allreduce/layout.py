@@ -120,7 +120,7 @@ def schema_of(specs: Sequence[TensorSpec]) -> list[tuple[str, tuple[int, ...]]]:
 
 def schema_hash(specs: Sequence[TensorSpec], codec: str = "none",
                 aggregation: str = "mean", part_bytes: int = DEFAULT_PART_BYTES,
-                encrypted: bool = False) -> bytes:
+                encrypted: bool = False, checked: bool = False) -> bytes:
     """Peers may only average tensors of identical dtypes and shapes, in the same order, sent
     with the same wire codec, aggregated the same way and cut into the same parts (every
     member plans the parts itself), over streams encrypted alike (a stream between an
@@ -137,6 +137,8 @@ def schema_hash(specs: Sequence[TensorSpec], codec: str = "none",
         fields.append(["block_aligned", 1])
     if encrypted:
         fields.append(["encrypted", 1])
+    if checked:  # every member checks results: one that does not would stall every check
+        fields.append(["checked", 1])
     packed = msgpack.packb(fields)
     return hashlib.sha256(packed).digest()[:16]
 

@@ -20,14 +20,19 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moshpitd.allreduce.checks import CheckError
 from moshpitd.allreduce.codecs import CodecError
 from moshpitd.allreduce.layout import LayoutError, Part
+from moshpitd.allreduce.ownercheck import OwnerCheck
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
+from moshpitd.allreduce.verifier import CLAIM, COMMIT, COMMITS, END, REVEAL, SEEDS
 from moshpitd.hooks import Hooks
+from moshpitd.identity import PeerKey
 from moshpitd.transport.dataplane import (
     ABORT,
     BAD_VALUES,
+    CHECK,
     PART,
     RESULT,
     Channel,
@@ -70,6 +75,7 @@ class SenderSlot:
         self.released: Stats | None = None  # the stream ended cleanly: its connection is
         # the registry's again (a kept session), and these were its bytes, which end at
         self.released_end = 0  # this offset of the connection (`Channel.written`)
+        self.ended = False  # a checked round's END went out (or the stream is gone)
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if kind != PART:
@@ -92,6 +98,13 @@ class SenderSlot:
             except (ReductionError, CodecError) as exc:
                 self.channel.abort(exc, part, BAD_VALUES)  # first: exclude's abort says less
                 self.side.exclude(self.sender, str(exc), "bad_data")
+        elif kind == CHECK and self.side.check is not None:
+            try:
+                self._on_check(aux, payload)
+            except CheckError as exc:
+                self.side.exclude(self.sender, f"its check messages are wrong: {exc}",
+                                  "protocol")
+                self.channel.abort(f"check: {exc}")
         elif kind == ABORT:
             self.side.exclude(self.sender,
                               f"it aborted: {bytes(payload).decode(errors='replace')}",
@@ -100,7 +113,20 @@ class SenderSlot:
             self.side.exclude(self.sender, f"unexpected frame kind {kind}", "protocol")
             self.channel.abort(f"unexpected frame kind {kind}")
 
+    def _on_check(self, step: int, payload: memoryview) -> None:
+        check = self.side.check
+        assert check is not None
+        if step == COMMIT:
+            check.on_commit(self.sender, payload)
+        elif step == REVEAL:
+            check.on_reveal(self.sender, payload)
+        elif step == CLAIM:
+            check.on_claim(self.sender, payload)
+        else:
+            raise CheckError(f"check step {step} is not one a sender sends")
+
     def on_close(self, exc: BaseException | None) -> None:
+        self.ended = True
         self.outbox.close()
         if isinstance(exc, TamperedFrame):  # its later parts would be no more trustworthy
             self.side.exclude(self.sender, f"its stream was tampered with: {exc}", "tampered")
@@ -119,11 +145,22 @@ class SenderSlot:
         if self.released is not None:  # the connection may carry another round's stream
             return self.channel.flushed(self.released_end) or not self.channel.is_open()
         transport = self.channel.transport
+        if self.side.check is not None and not self.ended:
+            return False
+        return self.outbox.empty() and (transport is None or transport.is_closing()
+                                        or transport.get_write_buffer_size() == 0)
+
+    def results_out(self) -> bool:
+        """Every result went to the transport and left it (so the sender has them, or will
+        soon): from then on we wait for its word for a while only."""
+        transport = self.channel.transport
         return self.outbox.empty() and (transport is None or transport.is_closing()
                                         or transport.get_write_buffer_size() == 0)
 
     async def write_results(self) -> None:
-        """Results go back in the order parts become final."""
+        """Results go back in the order parts become final (in a checked round after our
+        list of commitments, and followed by the check's frames)."""
+        check = self.side.check
         sent = 0
         while True:
             index = await self.outbox.get()
@@ -135,13 +172,30 @@ class SenderSlot:
             sent += 1
             last = sent == len(self.plan.my_parts) and not self.expected
             try:
+                if check is not None and sent == 1:
+                    await self.channel.send(CHECK, index, check.fix_commitments(), aux=COMMITS)
                 await self.channel.send(RESULT, index, payload, aux=mask,
-                                        then=self._release if last else None)
+                                        then=self._release if last and check is None else None)
+                if last and check is not None:
+                    await self._checked(check)
             except DataPlaneError:
                 self.outbox.close()
+                self.ended = True
                 return  # the sender is gone; its link will report that on its side
             if last:
                 return
+
+    async def _checked(self, check: OwnerCheck) -> None:
+        """After our last result: the seeds, then every other contributor's claim, then END
+        (which hands a kept session on, as the last result does in an unchecked round)."""
+        await check.seeds_out.wait()
+        await self.channel.send(CHECK, 0, check.seeds_payload(), aux=SEEDS)
+        await check.claims_out.wait()
+        for claimant, claim in check.claims.items():
+            if claimant != self.sender:
+                await self.channel.send(CHECK, 0, claim, aux=CLAIM)
+        await self.channel.send(CHECK, 0, b"", aux=END, then=self._release)
+        self.ended = True
 
     def _release(self) -> None:
         """Every part came in and this is the last result: the connection may carry the
@@ -168,8 +222,10 @@ class ReducerSide:
     """Our span: a slot per sender, the reducer, finalising parts, and waiting for senders."""
 
     def __init__(self, plan: RoundPlan, ledger: Ledger, hooks: Hooks, aggregation: str,
-                 max_in_flight: int) -> None:
+                 max_in_flight: int, key: PeerKey | None = None) -> None:
         self.plan = plan
+        self.check = OwnerCheck(plan, key) if plan.checking and key is not None \
+            and plan.my_parts else None
         self.ledger = ledger
         self.hooks = hooks
         self.max_in_flight = max_in_flight
@@ -194,6 +250,8 @@ class ReducerSide:
         """Our own contribution, in place where it can be (see PartReducer.seed)."""
         plan = self.plan
         weight = plan.group.members[plan.me].weight
+        if self.check is not None and not plan.listening:
+            self.check.keep_own()
         for p in [] if plan.listening else plan.my_parts:
             if plan.fp16_range:  # fp16 refuses what it could not carry wherever it lies,
                 try:             # though our own span's values never travel as fp16
@@ -341,6 +399,19 @@ class ReducerSide:
                     await self._joined.wait()
             if time.monotonic() >= until:
                 return
+
+    async def run_check(self, until: float, patience: float) -> None:
+        """A checked round's owner side, once our parts are final (allreduce/ownercheck.py)."""
+        if self.check is None:
+            return
+        self.check.fix_commitments()
+
+        def draining(i: int) -> bool:
+            slot = self.slots.get(i)
+            return slot is not None and not slot.ended and not slot.results_out()
+
+        await self.check.run(lambda: [self.ledger.mask(p.index) for p in self.plan.my_parts],
+                             draining, until, patience)
 
     def drained(self) -> bool:
         """Every result went out (the transports may still hold views of them otherwise)."""

@@ -18,12 +18,16 @@ import logging
 import time
 from typing import Protocol
 
+from moshpitd.allreduce.checks import CheckError, Verdict
 from moshpitd.allreduce.layout import Part, all_finite
 from moshpitd.allreduce.plan import Ledger, RoundPlan
+from moshpitd.allreduce.verifier import CLAIM, COMMITS, END, REVEAL, SEEDS, SpanVerifier
+from moshpitd.identity import PeerKey
 from moshpitd.transport.dataplane import (
     ABORT,
     BAD_VALUES,
     BUSY,
+    CHECK,
     LEFT,
     READY,
     RESULT,
@@ -81,8 +85,11 @@ class OwnerLink:
     """Averaged parts coming back from one owner."""
 
     def __init__(self, plan: RoundPlan, ledger: Ledger, owner: int, parts: list[Part],
-                 gate: ReadyGate, exclusions: Exclusions) -> None:
+                 gate: ReadyGate, exclusions: Exclusions, key: PeerKey | None = None) -> None:
         self.plan = plan
+        # a checked round holds the owner's results until they pass (allreduce/verifier.py)
+        self.check = SpanVerifier(plan, owner, parts, key) \
+            if plan.checking and key is not None else None
         self.ledger = ledger
         self.owner = owner
         self.parts = parts
@@ -122,7 +129,9 @@ class OwnerLink:
         ch = self.channel
         return (ch is not None and ch.is_open() and ch.session is not None and self.whole
                 and not self.waiting and self.failure is None and not self.told
-                and not self.unready)
+                and not self.unready
+                and (self.check is None or (self.check.verdict is not None
+                                            and self.check.verdict.ok)))
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
         if self.unready and kind not in (READY, ABORT):
@@ -154,6 +163,12 @@ class OwnerLink:
             if aux == LEFT:  # nor will its parts come, if any are still missing
                 self._exclusions.lost(self.owner, f"it left the round: {why}", "aborted")
             return
+        if kind == CHECK and self.check is not None:
+            try:
+                self._on_check(aux, payload)
+            except CheckError as exc:  # the owner's own frames, or what it vouched for
+                self._judged(Verdict(False, f"its check messages are wrong: {exc}", lied=True))
+            return
         if kind != RESULT:
             self.fail(f"unexpected frame kind {kind}")
             return
@@ -165,21 +180,81 @@ class OwnerLink:
             return
         if not (self.plan.listening or aux >> self.plan.me & 1):
             self.whole = False  # the owner lacks our part: it will not keep the stream
+        values = None
         if aux:
             values = self.plan.codec.decode(payload, p.numel, self.plan.dtypes[p.run])
-            if all_finite(values):
-                self.plan.view.write(p, values)
-            else:
+            if not all_finite(values):
                 log.warning("owner %d returned NaN or Inf for part %d: it keeps local values",
                             self.owner, part)
-                aux = 0
-        self.ledger.apply(part, aux)
+                values, aux = None, 0
+        if self.check is not None:
+            try:
+                self.check.hold(p, values, aux)
+            except CheckError as exc:
+                self._judged(Verdict(False, f"its check messages are wrong: {exc}", lied=True))
+                return
+        else:
+            if values is not None:
+                self.plan.view.write(p, values)
+            self.ledger.apply(part, aux)
         self.waiting.discard(part)
         if not self.waiting:
-            if self.reusable():  # the owner handed the session on as it sent this: what
-                assert self.channel is not None and self.channel.session is not None
-                self.channel.cipher = self.channel.session.control  # comes next is sealed so
-            self.done.set()
+            if self.check is not None:  # the owner can no longer change what it sent us
+                seed = self.check.reveal()
+                if seed is not None and self.channel is not None:
+                    self.channel.send_nowait(CHECK, self.owner, seed, aux=REVEAL)
+            else:
+                self._ended()
+        self.progress.set()
+
+    def _ended(self) -> None:
+        """The stream's last frame from the owner came."""
+        if self.reusable():  # the owner handed the session on as it sent it: what
+            assert self.channel is not None and self.channel.session is not None
+            self.channel.cipher = self.channel.session.control  # comes next is sealed so
+        self.done.set()
+
+    def _on_check(self, step: int, payload: memoryview) -> None:
+        check = self.check
+        assert check is not None
+        if step == COMMITS:
+            check.on_commits(payload)
+        elif step == SEEDS:
+            if self.waiting:
+                raise CheckError("seeds before every result")
+            claim = check.on_seeds(payload)
+            if claim is not None and self.channel is not None:
+                self.channel.send_nowait(CHECK, self.owner, claim, aux=CLAIM)
+        elif step == CLAIM:
+            check.on_claim(payload)
+        elif step == END:
+            self._judged(check.decide())
+        else:
+            raise CheckError(f"check step {step} is not one an owner sends")
+
+    def _judged(self, verdict: Verdict) -> None:
+        """The span passed (its results go to the trainer's buffer), or it did not (none do:
+        the trainer keeps its own values for the whole span)."""
+        check = self.check
+        assert check is not None
+        if check.verdict is None or check.verdict.ok:
+            check.verdict = verdict
+        if self.done.is_set():
+            return
+        if verdict.ok:
+            check.apply(self.ledger)
+            self._ended()
+            return
+        if verdict.lied:
+            log.warning("owner %d (peer %s) of group %s failed the check of its span: %s; "
+                        "the span keeps local values", self.owner,
+                        self.plan.group.members[self.owner].peer_id.hex()[:16],
+                        self.plan.group.group_id.hex()[:8], verdict.why)
+        else:
+            log.info("owner %d's span could not be checked: %s; it keeps local values",
+                     self.owner, verdict.why)
+        self.failure = self.failure or verdict.why
+        self.done.set()
         self.progress.set()
 
     def _proven(self, ready: memoryview) -> None:
@@ -232,11 +307,17 @@ class OwnerLink:
         if isinstance(exc, TamperedFrame):  # the path, not necessarily its daemon, is bad
             self.fail(f"its results were tampered with: {exc}")
             return
-        if self.waiting:
+        if self.waiting or (self.check is not None and not self.done.is_set()):
             self.fail(f"stream closed ({exc or 'EOF'})")
         self._exclusions.lost(self.owner, "its connection dropped", "disconnected")
 
     def fail(self, why: str) -> None:
+        check = self.check
+        if check is not None and check.verdict is None and not self.done.is_set():
+            check.verdict = Verdict(False, f"the check did not finish: {why}")
+            if not self.waiting:
+                log.info("owner %d failed: %s; its span could not be checked and keeps local "
+                         "values", self.owner, why)
         if self.failure is None and self.waiting:
             self.failure = why
             log.info("owner %d failed: %s; its %d remaining parts keep local values",

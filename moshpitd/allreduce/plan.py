@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from moshpitd.allreduce.checks import CHECKABLE
 from moshpitd.allreduce.codecs import Codec
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import FlatView, LayoutError, Part, plan_parts
@@ -64,8 +65,12 @@ class RoundPlan:
     and its parts: fixed for the round."""
 
     def __init__(self, group: Group, me: int, view: FlatView, codec: Codec,
-                 part_bytes: int) -> None:
+                 part_bytes: int, aggregation: str = "mean", checked: bool = False) -> None:
         self.group = unit_weights(group)
+        self.aggregation = aggregation
+        # every member checks each span's result before applying it (allreduce/checks.py);
+        # what the aggregation allows, alike for all: checking is in the schema hash
+        self.checking = checked and aggregation in CHECKABLE
         self.me = me
         self.view = view
         self.codec = codec

@@ -12,8 +12,10 @@ from typing import Protocol
 
 from moshpitd.allreduce.ownerlink import Exclusions, OwnerLink, ReadyGate
 from moshpitd.allreduce.plan import Ledger, RoundPlan
+from moshpitd.allreduce.verifier import COMMIT
 from moshpitd.hooks import Hooks
 from moshpitd.transport.dataplane import (
+    CHECK,
     HELLO,
     PART,
     Channel,
@@ -66,7 +68,7 @@ class SenderSide:
         self.exclusions = exclusions
         owners = {o: ps for o, ps in plan.by_owner.items() if o != plan.me}
         self.gate = ReadyGate(len(owners), start_wait_until)
-        self.links = [OwnerLink(plan, ledger, o, ps, self.gate, exclusions)
+        self.links = [OwnerLink(plan, ledger, o, ps, self.gate, exclusions, handshake.key)
                       for o, ps in owners.items()]
         self.channels: list[Channel] = []  # this round's, still ours
         self.finished: list[Stats] = []  # streams whose connections went back to the pool
@@ -112,6 +114,8 @@ class SenderSide:
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                 channel = await self._open(link)
+            if link.check is not None:  # before any part: see allreduce/verifier.py
+                await channel.send(CHECK, link.owner, link.check.commit(), aux=COMMIT)
             if not self.plan.listening:  # a listener sends nothing, it waits for results
                 await self.gate.wait(deadline)  # every owner has the round: see ReadyGate
             codec, view = self.plan.codec, self.plan.view

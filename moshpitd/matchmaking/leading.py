@@ -219,6 +219,9 @@ class GroupLeader:
         if self.asking == request.peer_id and request.peer_id < self.me.peer_id:
             # Both of us asked the other at once: the lower peer id leads, on both sides.
             return no(pb.NOT_LOOKING, "we are asking you to lead; the lower peer id leads")
+        if request.peer_id in self.me.liars:
+            return no(pb.NOT_LOOKING, "this peer's results failed our check: we no longer "
+                      "group with it")
         if request.peer_id == self.me.peer_id or request.peer_id in self.followers:
             return no(pb.DUPLICATE_PEER, "peer is already a member")
         if 1 + len(self.followers) >= self.req.target_size:

@@ -63,7 +63,7 @@ class Matchmaker:
                  hooks: Hooks = NO_HOOKS) -> None:
         self.me = me
         # declared, but its daemon does not answer, or it led a group that failed our checks
-        self._dead: set[bytes] = me.shunned.current()
+        self._dead: set[bytes] = me.shunned.current() | me.liars.current()
         self.vitals = Vitals(request.key, self._dead, me.liveness, probe)
         self.watcher = watcher
         self.expected = request.expected

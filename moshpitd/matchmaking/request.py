@@ -67,6 +67,8 @@ class Self:
     auth: PeerAuth | None = None  # signs our joins and groups; a leader without one takes none
     # leaders this daemon no longer asks, over all its requests
     shunned: Shunned = field(default_factory=Shunned)
+    # owners whose span failed its check (allreduce/verifier.py): never grouped with again
+    liars: Shunned = field(default_factory=Shunned)
     # who answered our probes lately, over all requests (None: follow any declared peer)
     liveness: Liveness | None = None
     # what each peer's streams carried to us lately: a group we lead caps declared rates by it

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 SHUN_SECONDS = 120.0
+LIAR_SECONDS = 30 * 86400.0  # an owner caught lying: for as long as a daemon runs, in practice
 CAPACITY = 4096
 
 
@@ -34,6 +35,10 @@ class Shunned:
         while self._until and next(iter(self._until.values())) <= now:
             self._until.popitem(last=False)
         return set(self._until)
+
+    def __contains__(self, peer_id: bytes) -> bool:
+        until = self._until.get(peer_id)
+        return until is not None and until > self.clock()
 
     def __len__(self) -> int:
         return len(self._until)

@@ -42,15 +42,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<BBHIQQ")
-HELLO, PART, RESULT, ABORT, READY = 1, 2, 3, 4, 5
-KINDS = {HELLO, PART, RESULT, ABORT, READY}
+HELLO, PART, RESULT, ABORT, READY, CHECK = 1, 2, 3, 4, 5, 6
+KINDS = {HELLO, PART, RESULT, ABORT, READY, CHECK}
 MAX_CONTROL_PAYLOAD = 4096
 BAD_VALUES = 1  # ABORT's aux: the part named in the frame was refused as data
 LEFT = 2  # ABORT's aux: the member that sent it left the round
 BUSY = 3  # ABORT's aux: no room here for a stream of an unknown group now: open it again
 FRAME_SLACK = HEADER.size + TAG  # room a sink's buffer gives past a data frame's payload
 
-__all__ = ["ABORT", "BAD_VALUES", "BUSY", "FRAME_SLACK", "HEADER", "HELLO", "LEFT", "PART",
+__all__ = ["ABORT", "BAD_VALUES", "BUSY", "CHECK", "FRAME_SLACK", "HEADER", "HELLO", "LEFT", "PART",
            "READY", "RESULT", "Channel", "DataPlaneError", "FrameSink", "TamperedFrame",
            "connect", "flush_aborts", "serve", "split_endpoint"]
 

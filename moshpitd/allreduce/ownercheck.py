@@ -1,0 +1,135 @@
+"""The owner's side of the check of its span (allreduce/verifier.py has the frames, checks.py
+the scheme): it lists the members' commitments before its first result goes out, gathers their
+seeds once they hold its results, hands every member the seeds and then every contributor's
+signed claim, its own included.
+
+An honest owner waits for what honest members send, never for ever: a member whose results are
+all out (its stream drained) has PATIENCE_SHARE of the round's grace to answer, one still
+receiving them is waited for up to the round's end. What a member withholds costs only it: a
+seed that does not come is left out of the spots (every member insists only on its own), and a
+missing claim leaves the span unchecked wherever the withholder's values are in it (docs/
+security-identity.md, "Checked reductions").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from moshpitd.allreduce.checks import (
+    SEED_BYTES,
+    CheckError,
+    commitment,
+    make_claim,
+    pack_indexed,
+    read_claim,
+    sent_values,
+    spots,
+    spots_digest,
+)
+from moshpitd.allreduce.plan import RoundPlan
+from moshpitd.identity import PeerKey
+
+POLL = 0.005  # s: how often the owner looks again at members it waits for (a granularity)
+
+
+class OwnerCheck:
+    def __init__(self, plan: RoundPlan, key: PeerKey) -> None:
+        self.plan = plan
+        self.key = key
+        self.own: dict[int, np.ndarray] = {}  # part index -> our own values, as we added them
+        self.commits: dict[int, bytes] = {}
+        self.listed: bytes | None = None  # COMMITS, fixed as our first part became final
+        self.seeds: dict[int, bytes] = {}
+        self.at: np.ndarray | None = None
+        self.at_digest = b""
+        self.claims: dict[int, bytes] = {}  # claimant -> its signed claim
+        self.seeds_out = asyncio.Event()  # SEEDS may go to every member
+        self.claims_out = asyncio.Event()  # the claims (and END) may go
+        self._news = asyncio.Event()
+
+    def keep_own(self) -> None:
+        """Our own values of our span, before the reducer accumulates in place over them: our
+        claim is made of them once the spots are known."""
+        for p in self.plan.my_parts:
+            self.own[p.index] = np.concatenate(self.plan.view.views(p))  # a copy
+
+    def on_commit(self, sender: int, payload: memoryview) -> None:
+        if len(payload) != SEED_BYTES:
+            raise CheckError(f"a commitment of {len(payload)} bytes")
+        if self.listed is None:
+            self.commits[sender] = bytes(payload)
+
+    def fix_commitments(self) -> bytes:
+        if self.listed is None:
+            self.listed = pack_indexed(self.commits)
+        return self.listed
+
+    def on_reveal(self, sender: int, payload: memoryview) -> None:
+        if self.listed is None or sender in self.seeds or self.at is not None:
+            return  # late, or twice: the spots are drawn without it
+        if self.commits.get(sender) != commitment(bytes(payload)):
+            raise CheckError("a seed that does not match its commitment")
+        self.seeds[sender] = bytes(payload)
+        self._news.set()
+
+    def on_claim(self, sender: int, payload: memoryview) -> None:
+        if self.at is None or sender in self.claims or self.claims_out.is_set():
+            raise CheckError("a claim before the seeds, after the claims went out, or twice")
+        claim = read_claim(payload, self.plan.group.digest, self.plan.me,
+                           [m.peer_id for m in self.plan.group.members], self.at_digest,
+                           self.at.size)
+        if claim.claimant != sender:
+            raise CheckError("a claim in another member's name")
+        self.claims[sender] = claim.raw
+        self._news.set()
+
+    async def run(self, masks: Callable[[], list[int]], draining: Callable[[int], bool],
+                  until: float, patience: float) -> None:
+        """Seeds, then claims, each from every member that owes them, or as long as the
+        waiting rule allows. `masks()` are our parts' contributors; `draining(i)`: our results
+        are still on their way to member i."""
+        await self._gather(set(self.commits) - {self.plan.me}, self.seeds, draining, until,
+                           patience)
+        total = sum(p.numel for p in self.plan.my_parts)
+        self.at = spots(self.plan.group.digest, self.plan.me, self.seeds, total)
+        self.at_digest = spots_digest(self.at)
+        me = self.plan.me
+        contributors = 0
+        for mask in masks():
+            contributors |= mask
+        if contributors >> me & 1 and self.own:
+            values = sent_values(self.plan.my_parts, lambda p: [self.own[p.index]], self.at,
+                                 None, self.plan.dtypes)
+            self.claims[me] = make_claim(self.key, self.plan.group.digest, me, me,
+                                         self.at_digest, values)
+        self.seeds_out.set()
+        owed = {i for i in range(self.plan.size) if contributors >> i & 1} - {me}
+        await self._gather(owed, self.claims, lambda i: False, until, patience)
+        self.claims_out.set()
+
+    def seeds_payload(self) -> bytes:
+        return pack_indexed(self.seeds)
+
+    async def _gather(self, owed: set[int], got: dict[int, bytes], draining: Callable[[int], bool],
+                      until: float, patience: float) -> None:
+        since: dict[int, float] = {}
+        while True:
+            now = time.monotonic()
+            waiting = False
+            for i in owed - set(got):
+                if draining(i):
+                    since.pop(i, None)
+                    waiting = True
+                elif now < since.setdefault(i, now) + patience:
+                    waiting = True
+            if not waiting or now >= until:
+                return
+            self._news.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(POLL, max(until - now, 0))):
+                    await self._news.wait()

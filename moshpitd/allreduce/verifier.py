@@ -1,0 +1,148 @@
+"""A member's check of one owner's span (allreduce/checks.py has the scheme): its results are
+held aside as they arrive, and written to the trainer's buffer only once they agree, at spots
+the owner could not know while it sent them, with what the span's contributors say they sent.
+
+On one stream, to the owner and back (the frames are the data plane's CHECK kind, the step in
+aux):
+
+    COMMIT  ->   the hash of a fresh seed, before our first part
+    COMMITS <-   every commitment the owner held when its first part became final, before its
+                 first result: a commitment cannot be added once results are out
+    REVEAL  ->   our seed, once we hold all of the owner's results
+    SEEDS   <-   the seeds revealed to it; the spots are hashed from them
+    CLAIM   ->   our values at the spots, as the wire codec carried them, signed
+    CLAIM   <-   each other contributor's claim, relayed (the owner can drop one, not forge it)
+    END     <-   nothing more: we decide, and the stream ends (a kept session goes on)
+
+A span passes only if every result agrees with the aggregation of the claims of the members
+its mask names. A result that disagrees keeps the whole span at our local values and names the
+owner (`lied`); a span whose check could not finish (a claim or a frame missing at the round's
+end) keeps it too, naming nobody.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from moshpitd.allreduce.checks import (
+    SEED_BYTES,
+    CheckError,
+    Verdict,
+    commitment,
+    make_claim,
+    read_claim,
+    sent_values,
+    spots,
+    spots_digest,
+    unpack_indexed,
+    verify_span,
+)
+from moshpitd.allreduce.layout import Part
+from moshpitd.allreduce.plan import Ledger, RoundPlan
+from moshpitd.identity import PeerKey
+
+# CHECK frames' steps (in aux), both directions
+COMMIT, COMMITS, REVEAL, SEEDS, CLAIM, END = 1, 2, 3, 4, 5, 6
+
+
+class SpanVerifier:
+    """Our check of `owner`'s span, with its results held until it passes."""
+
+    def __init__(self, plan: RoundPlan, owner: int, parts: list[Part], key: PeerKey) -> None:
+        self.plan = plan
+        self.owner = owner
+        self.parts = parts
+        self.key = key
+        self.seed = os.urandom(SEED_BYTES)
+        self.commits: dict[int, bytes] | None = None
+        self.values: dict[int, np.ndarray] = {}  # part index -> the result, decoded
+        self.masks: dict[int, int] = {}  # part index -> its contributors
+        self.at: np.ndarray | None = None
+        self.at_digest = b""
+        self.claims: dict[int, np.ndarray] = {}
+        self.verdict: Verdict | None = None
+
+    def commit(self) -> bytes:
+        return commitment(self.seed)
+
+    def on_commits(self, payload: memoryview) -> None:
+        if self.commits is not None or self.masks:
+            raise CheckError("commitments after results, or twice")
+        commits = unpack_indexed(payload, self.plan.size)
+        me = self.plan.me
+        if not self.plan.listening and commits.get(me) != self.commit():
+            # our COMMIT went before our first part, so before any part could be final
+            raise CheckError("the owner left out our commitment")
+        self.commits = commits
+
+    def hold(self, part: Part, values: np.ndarray | None, mask: int) -> None:
+        if self.commits is None:
+            raise CheckError("a result before the owner's commitments")
+        if values is not None:
+            self.values[part.index] = np.array(values)  # the staging buffer is reused
+        self.masks[part.index] = mask
+
+    def reveal(self) -> bytes | None:
+        """Our seed, if the owner listed our commitment."""
+        assert self.commits is not None
+        return self.seed if self.plan.me in self.commits else None
+
+    def on_seeds(self, payload: memoryview) -> bytes | None:
+        """The spots, from the revealed seeds; returns our signed claim, if we contribute."""
+        if self.commits is None or self.at is not None or len(self.masks) < len(self.parts):
+            raise CheckError("seeds before every result, or twice")
+        seeds = unpack_indexed(payload, self.plan.size)
+        for index, seed in seeds.items():
+            if self.commits.get(index) != commitment(seed):
+                raise CheckError(f"member {index}'s seed does not match its commitment")
+        if self.plan.me in self.commits and seeds.get(self.plan.me) != self.seed:
+            raise CheckError("the owner left out our seed")
+        total = sum(p.numel for p in self.parts)
+        self.at = spots(self.plan.group.digest, self.owner, seeds, total)
+        self.at_digest = spots_digest(self.at)
+        me = self.plan.me
+        if not any(mask >> me & 1 for mask in self.masks.values()):
+            return None  # nothing of ours is in the span: nobody needs our word
+        values = sent_values(self.parts, self.plan.view.views, self.at, self.plan.codec,
+                             self.plan.dtypes)
+        self.claims[me] = values
+        return make_claim(self.key, self.plan.group.digest, self.owner, me, self.at_digest,
+                          values)
+
+    def on_claim(self, payload: memoryview) -> None:
+        if self.at is None:
+            raise CheckError("a claim before the seeds")
+        claim = read_claim(payload, self.plan.group.digest, self.owner,
+                           [m.peer_id for m in self.plan.group.members], self.at_digest,
+                           self.at.size)
+        if claim.claimant != self.plan.me:
+            self.claims[claim.claimant] = claim.values
+
+    def decide(self) -> Verdict:
+        if self.at is None or len(self.masks) < len(self.parts):
+            self.verdict = Verdict(False, "the check did not finish")
+            return self.verdict
+        masks = [self.masks[p.index] for p in self.parts]
+        held = [self.values.get(p.index) for p in self.parts]
+        weights = [m.weight for m in self.plan.group.members]
+        self.verdict = verify_span(self.plan.aggregation, self.plan.codec, self.parts, masks,
+                                   held, self.plan.dtypes, self.at, self.claims, weights)
+        return self.verdict
+
+    def apply(self, ledger: Ledger) -> None:
+        """The span passed: its results go to the trainer's buffer."""
+        if ledger.closed:
+            return
+        for p in self.parts:
+            mask = self.masks.get(p.index, 0)
+            values = self.values.get(p.index)
+            if mask and values is not None:
+                self.plan.view.write(p, values)
+                ledger.apply(p.index, mask)
+
+    @property
+    def lied(self) -> bool:
+        """The check ran to its end and a result disagreed with the claims."""
+        return self.verdict is not None and self.verdict.lied

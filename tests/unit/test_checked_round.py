@@ -1,0 +1,144 @@
+"""Checked rounds in one event loop (members over real loopback sockets, as in
+test_round_harness.py): honest owners always pass, a lying owner's span is never applied and
+the owner is named, whatever the codec and aggregation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from moshpitd.allreduce.butterfly import ButterflyRound, RoundResult
+from moshpitd.allreduce.codecs import Codec, get_codec
+from moshpitd.allreduce.layout import FlatView, TensorSpec
+from moshpitd.hooks import NO_HOOKS, Hooks
+from tests.unit.test_round_harness import (
+    PART_BYTES,
+    Member,
+    deadlines,
+    group_of,
+    members,
+    run_all,
+    stop,
+)
+
+
+class Liar(Hooks):
+    """An owner whose every result says `value` (or, with `every`, whose results are honest
+    but for one part in `every`, shifted by `value`)."""
+
+    def __init__(self, value: float = 1000.0, every: int = 0) -> None:
+        self.value, self.every = value, every
+
+    async def before_result(self, sent: int, payload: memoryview | bytes, codec: Codec,
+                            numel: int, dtype: np.dtype) -> memoryview | bytes:
+        if not payload:
+            return payload
+        if self.every:
+            if sent % self.every:
+                return payload
+            values = np.array(codec.decode(memoryview(bytes(payload)), numel, dtype),
+                              dtype=np.float32)
+            values += self.value
+            return codec.encode(values)
+        return codec.encode(np.full(numel, self.value, dtype=np.float32))
+
+
+def checked_round(group, i: int, m: Member, codec: str, aggregation: str,  # type: ignore[no-untyped-def]
+                  hooks: Hooks = NO_HOOKS) -> ButterflyRound:
+    view = FlatView(memoryview(m.values).cast("B"), [TensorSpec("float32", m.values.shape, 0)])
+    return ButterflyRound(group, i, view, get_codec(codec), m.registry.connect,
+                          m.registry.handshake, PART_BYTES, hooks, aggregation,
+                          checked=True)
+
+
+async def one_round(ms: list[Member], codec: str, aggregation: str,
+                    hooks: dict[int, Hooks] | None = None) -> list[RoundResult]:
+    group = group_of(ms, codec)
+    rounds = [checked_round(group, i, m, codec, aggregation, (hooks or {}).get(i, NO_HOOKS))
+              for i, m in enumerate(ms)]
+    for m, r in zip(ms, rounds, strict=True):
+        m.registry.register(r)
+    try:
+        results = await run_all(rounds, [deadlines(4.0) for _ in ms])
+    finally:
+        for m in ms:
+            m.registry.unregister(group.group_id)
+    for r in results:
+        assert isinstance(r, RoundResult), r
+    return results  # type: ignore[return-value]
+
+
+def spans(result: RoundResult) -> list[tuple[int, int, int]]:
+    return list(result.spans)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "int4"])
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean"])
+def test_honest_owners_pass_every_check(codec: str, aggregation: str) -> None:
+    """Many honest rounds, values spread over decades (each codec rounds at the edge of what
+    the tolerance allows): no owner is ever accused, and every span is applied."""
+    async def scenario() -> None:
+        ms = await members(4, 60_000, seed=7)
+        try:
+            rng = np.random.default_rng(3)
+            for _ in range(6):
+                for m in ms:
+                    m.values[:] = (rng.standard_normal(m.values.size)
+                                   * 10.0 ** rng.uniform(-6, 3, m.values.size))
+                results = await one_round(ms, codec, aggregation)
+                for r in results:
+                    assert r.lied == () and r.unchecked == 0
+                    assert r.parts_averaged == r.parts
+                if codec == "none":  # (an owner keeps its own span unrounded by the codec)
+                    assert all(np.array_equal(ms[0].values, m.values) for m in ms)
+        finally:
+            await stop(ms)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean"])
+@pytest.mark.parametrize("codec", ["none", "int4"])
+def test_a_lying_owner_is_named_and_its_span_never_applied(aggregation: str,
+                                                           codec: str) -> None:
+    async def scenario() -> None:
+        ms = await members(4, 50_000, seed=1)
+        try:
+            before = [m.values.copy() for m in ms]
+            results = await one_round(ms, codec, aggregation, {1: Liar()})
+            for i, (m, r) in enumerate(zip(ms, results, strict=True)):
+                if i == 1:
+                    continue
+                assert r.lied == (1,)
+                assert not np.any(m.values == 1000.0)
+                for lo, hi, mask in r.spans:  # the liar's span: local values, mask 0
+                    if mask == 0:
+                        np.testing.assert_array_equal(m.values[lo:hi], before[i][lo:hi])
+                owned = [s for s in r.spans if s[2] == 0]
+                assert owned, "the liar's span was applied"
+                assert r.parts_averaged < r.parts
+        finally:
+            await stop(ms)
+
+    asyncio.run(scenario())
+
+
+def test_a_rare_lie_is_caught_within_a_bounded_number_of_rounds() -> None:
+    """A lie on a share f of a span's elements escapes a round's 128 spots with probability
+    (1 - f)^128: one part in a thousand is caught within 36 rounds with 99 % probability. Here
+    an owner shifts one part in 4 of its span; the first round catches it (it
+    escapes with probability 1e-16), and so does every later one."""
+    async def scenario() -> None:
+        ms = await members(4, 4 * 16 * 4096, seed=2)
+        caught = 0
+        try:
+            for _ in range(3):
+                results = await one_round(ms, "none", "mean", {2: Liar(value=5.0, every=4)})
+                caught += sum(1 for i, r in enumerate(results) if i != 2 and r.lied == (2,))
+        finally:
+            await stop(ms)
+        assert caught >= 3
+
+    asyncio.run(scenario())
