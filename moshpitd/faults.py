@@ -11,9 +11,10 @@ one part on every link), slow-send (pauses SLOW_SECONDS once, then goes on), tri
 (sleeps TRICKLE_SECONDS before every part: slow but never silent), crash-while-reducing (at a
 contribution), stall-reduce, poison-results (a reducer puts an Inf into the first result on
 each of its streams), lie-results (a reducer returns 1000.0 for every element of its span,
-from round ROUND on: the lying owner of checked reductions), die-mid-serve (a state donor exits after sending part of a range to a
-joiner; ROUND is ignored), hang-listener (the whole daemon hangs, its event loop blocked like
-a stopped host, as the first round in which it has weight 0 starts; ROUND is ignored),
+from round ROUND on: the lying owner of checked reductions), die-mid-serve (a state donor
+exits after sending part of a range to a joiner; ROUND is ignored), hang-listener (the whole
+daemon hangs, its event loop blocked like a stopped host, as the first round in which it has
+weight 0 starts; ROUND is ignored),
 tamper-group (a leader alters each group it sends its followers, in turn: TAMPERINGS; ROUND is
 ignored; the marker names the latest). The crashes, and stall-send's marker, wait until every
 other member's stream reached us (`sender_accepted`): the fault then surely lands mid-round for

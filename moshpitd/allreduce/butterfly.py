@@ -37,10 +37,11 @@ from moshpitd.allreduce.codecs import Codec
 from moshpitd.allreduce.deadlines import RoundDeadlines
 from moshpitd.allreduce.group import Group
 from moshpitd.allreduce.layout import DEFAULT_PART_BYTES, FlatView
-from moshpitd.allreduce.owner import ReducerSide, SenderSlot
+from moshpitd.allreduce.owner import ReducerSide
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.rates import BOTTLENECK, link_rates, stream_rate
 from moshpitd.allreduce.sender import Connector, SenderSide, Sessions
+from moshpitd.allreduce.senderslot import SenderSlot
 from moshpitd.hooks import NO_HOOKS, Hooks
 from moshpitd.transport.dataplane import LEFT, Channel, flush_aborts
 from moshpitd.transport.handshake import Handshake

@@ -5,6 +5,7 @@ the owner is named, whatever the codec and aggregation."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -55,7 +56,9 @@ def checked_round(group, i: int, m: Member, codec: str, aggregation: str,  # typ
 
 async def one_round(ms: list[Member], codec: str, aggregation: str,
                     hooks: dict[int, Hooks] | None = None) -> list[RoundResult]:
-    group = group_of(ms, codec)
+    group = group_of(ms, codec)  # unequal weights: robust aggregations cap them, mean not
+    group = replace(group, members=tuple(replace(m, weight=1.0 + 2 * i)
+                                         for i, m in enumerate(group.members)))
     rounds = [checked_round(group, i, m, codec, aggregation, (hooks or {}).get(i, NO_HOOKS))
               for i, m in enumerate(ms)]
     for m, r in zip(ms, rounds, strict=True):
