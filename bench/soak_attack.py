@@ -54,7 +54,8 @@ from netlab.cgroup import CpuGroup, cgroup_problem
 RATIO_GOAL = 0.8
 PEAK_MIB_GOAL = 300.0
 STALL_P99_GOAL = 0.5
-SCHEMA = schema_hash([TensorSpec("float64", (ELEMENTS,), 0)], encrypted=True)
+SCHEMA = schema_hash([TensorSpec("float64", (ELEMENTS,), 0)], encrypted=True,
+                     checked=True)
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 30.0
 

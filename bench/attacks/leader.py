@@ -105,7 +105,8 @@ class FakeLeader:
         view = FlatView(self.values.data.cast("B"),
                         [TensorSpec("float32", self.values.shape, 0)])
         rnd = ButterflyRound(group, 0, view, get_codec("none"), self.registry.connect,
-                             self.handshake, hooks=NO_HOOKS, aggregation="trimmed_mean")
+                             self.handshake, hooks=NO_HOOKS, aggregation="trimmed_mean",
+                             checked=True)  # as the swarm key makes every member check
         self.registry.register(rnd)
         deadlines = RoundClock(20.0, 5.0, DeadlinePolicy()).allreduce(rnd.plan.wire_bytes())
         self.round = asyncio.ensure_future(rnd.run(deadlines))

@@ -203,7 +203,9 @@ class ButterflyRound:
     def _judge(self, sender: SenderSide) -> None:
         """Which owners' spans failed their check, and how many could not be checked."""
         checks = [link for link in sender.links if link.check is not None]
-        self.lied = tuple(link.owner for link in checks if link.check and link.check.lied)
+        owners = [link.owner for link in checks if link.check and link.check.lied]
+        claimants = sorted(self.reducer.check.disputed) if self.reducer.check else []
+        self.lied = tuple(sorted({*owners, *claimants}))
         self.unchecked = sum(1 for link in checks if link.check is not None
                              and not link.waiting  # (else the owner failed, as ever)
                              and not (link.check.verdict and link.check.verdict.ok)

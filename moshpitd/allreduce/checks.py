@@ -48,7 +48,13 @@ CHECKABLE = ("mean", "trimmed_mean")
 
 
 class CheckError(ValueError):
-    """A check message that is malformed, unsigned or not for this span."""
+    """A check message that is malformed, unsigned or not for this span: its sender broke the
+    protocol (an honest owner never relays what it could not check)."""
+
+
+class Unverifiable(CheckError):
+    """The check cannot be made, and nobody is shown to be at fault: the span keeps local
+    values (our commitment or seed came too late to be counted, say)."""
 
 
 def commitment(seed: bytes) -> bytes:

@@ -121,6 +121,28 @@ class Codec:
         return out
 
 
+    def decode_at(self, payload: memoryview | bytes, n: int, dtype: np.dtype,
+                  offset: int) -> float:
+        """The value at `offset` of a part's payload, decoded alone (its block's scale and
+        levels for int8/int4): exactly what `decode` gives there, without decoding the part."""
+        if self.block == 1:
+            size = self.encoded_size(1, dtype)
+            return float(self.decode(memoryview(payload)[offset * size:(offset + 1) * size], 1,
+                                     dtype)[0])
+        block = self.block
+        b, blocks = offset // block, -(-n // block)
+        count = min(block, n - b * block)
+        scale = memoryview(payload)[_SCALE * b:_SCALE * (b + 1)]
+        if self.name == "int4":
+            start = _SCALE * blocks + b * block // 2
+            levels = memoryview(payload)[start:start + (count + 1) // 2]
+        else:
+            start = _SCALE * blocks + b * block
+            levels = memoryview(payload)[start:start + count]
+        return float(self.decode(memoryview(bytes(scale) + bytes(levels)), count,
+                                 dtype)[offset - b * block])
+
+
 def _placed(pieces: Sequence[np.ndarray]) -> list[tuple[int, np.ndarray]]:
     out, pos = [], 0
     for p in pieces:

@@ -24,6 +24,7 @@ from moshpitd.allreduce.checks import (
     SEED_BYTES,
     CheckError,
     commitment,
+    locate,
     make_claim,
     pack_indexed,
     read_claim,
@@ -48,6 +49,12 @@ class OwnerCheck:
         self.at: np.ndarray | None = None
         self.at_digest = b""
         self.claims: dict[int, bytes] = {}  # claimant -> its signed claim
+        # what each sender's parts carried (sender, part index) -> payload: a claim is checked
+        # against it, so a contributor that claims other values than it sent is caught here,
+        # and never gets an honest owner accused
+        self.kept: dict[tuple[int, int], bytes] = {}
+        self.disputed: set[int] = set()  # claimants whose claim disagrees with what they sent
+        self._masks: list[int] = []
         self.seeds_out = asyncio.Event()  # SEEDS may go to every member
         self.claims_out = asyncio.Event()  # the claims (and END) may go
         self._news = asyncio.Event()
@@ -63,6 +70,9 @@ class OwnerCheck:
             raise CheckError(f"a commitment of {len(payload)} bytes")
         if self.listed is None:
             self.commits[sender] = bytes(payload)
+
+    def keep(self, sender: int, part: int, payload: memoryview) -> None:
+        self.kept[sender, part] = bytes(payload)
 
     def fix_commitments(self) -> bytes:
         if self.listed is None:
@@ -85,22 +95,43 @@ class OwnerCheck:
                            self.at.size)
         if claim.claimant != sender:
             raise CheckError("a claim in another member's name")
-        self.claims[sender] = claim.raw
+        if self._sent_otherwise(sender, claim.values):
+            self.disputed.add(sender)
+        else:
+            self.claims[sender] = claim.raw
         self._news.set()
+
+    def _sent_otherwise(self, sender: int, values: np.ndarray) -> bool:
+        """Does the claim disagree, at a spot of a part the sender contributed to, with what
+        its stream carried? (Exactly: both are the codec's decoding of the same bytes.)"""
+        assert self.at is not None
+        parts, codec = self.plan.my_parts, self.plan.codec
+        which, offset = locate(parts, self.at)
+        for k, (w, o) in enumerate(zip(which.tolist(), offset.tolist(), strict=True)):
+            p = parts[w]
+            if not self._masks[w] >> sender & 1:
+                continue
+            payload = self.kept.get((sender, p.index))
+            if payload is None:
+                return True
+            if codec.decode_at(payload, p.numel, self.plan.dtypes[p.run], o) != values[k]:
+                return True
+        return False
 
     async def run(self, masks: Callable[[], list[int]], draining: Callable[[int], bool],
                   until: float, patience: float) -> None:
         """Seeds, then claims, each from every member that owes them, or as long as the
         waiting rule allows. `masks()` are our parts' contributors; `draining(i)`: our results
         are still on their way to member i."""
-        await self._gather(set(self.commits) - {self.plan.me}, self.seeds, draining, until,
-                           patience)
+        await self._gather(set(self.commits) - {self.plan.me}, self.seeds.__contains__,
+                           draining, until, patience)
         total = sum(p.numel for p in self.plan.my_parts)
         self.at = spots(self.plan.group.digest, self.plan.me, self.seeds, total)
         self.at_digest = spots_digest(self.at)
         me = self.plan.me
         contributors = 0
-        for mask in masks():
+        self._masks = masks()
+        for mask in self._masks:
             contributors |= mask
         if contributors >> me & 1 and self.own:
             values = sent_values(self.plan.my_parts, lambda p: [self.own[p.index]], self.at,
@@ -109,19 +140,22 @@ class OwnerCheck:
                                          self.at_digest, values)
         self.seeds_out.set()
         owed = {i for i in range(self.plan.size) if contributors >> i & 1} - {me}
-        await self._gather(owed, self.claims, lambda i: False, until, patience)
+        await self._gather(owed, lambda i: i in self.claims or i in self.disputed,
+                           lambda i: False, until, patience)
         self.claims_out.set()
 
     def seeds_payload(self) -> bytes:
         return pack_indexed(self.seeds)
 
-    async def _gather(self, owed: set[int], got: dict[int, bytes], draining: Callable[[int], bool],
-                      until: float, patience: float) -> None:
+    async def _gather(self, owed: set[int], answered: Callable[[int], bool],
+                      draining: Callable[[int], bool], until: float, patience: float) -> None:
         since: dict[int, float] = {}
         while True:
             now = time.monotonic()
             waiting = False
-            for i in owed - set(got):
+            for i in owed:
+                if answered(i):
+                    continue
                 if draining(i):
                     since.pop(i, None)
                     waiting = True

@@ -18,10 +18,18 @@ import logging
 import time
 from typing import Protocol
 
-from moshpitd.allreduce.checks import CheckError, Verdict
+from moshpitd.allreduce.checks import CheckError, Unverifiable, Verdict
 from moshpitd.allreduce.layout import Part, all_finite
 from moshpitd.allreduce.plan import Ledger, RoundPlan
-from moshpitd.allreduce.verifier import CLAIM, COMMITS, END, REVEAL, SEEDS, SpanVerifier
+from moshpitd.allreduce.verifier import (
+    CLAIM,
+    COMMITS,
+    DISPUTE,
+    END,
+    REVEAL,
+    SEEDS,
+    SpanVerifier,
+)
 from moshpitd.identity import PeerKey
 from moshpitd.transport.dataplane import (
     ABORT,
@@ -166,6 +174,8 @@ class OwnerLink:
         if kind == CHECK and self.check is not None:
             try:
                 self._on_check(aux, payload)
+            except Unverifiable as exc:
+                self._judged(Verdict(False, str(exc)))
             except CheckError as exc:  # the owner's own frames, or what it vouched for
                 self._judged(Verdict(False, f"its check messages are wrong: {exc}", lied=True))
             return
@@ -190,6 +200,9 @@ class OwnerLink:
         if self.check is not None:
             try:
                 self.check.hold(p, values, aux)
+            except Unverifiable as exc:
+                self._judged(Verdict(False, str(exc)))
+                return
             except CheckError as exc:
                 self._judged(Verdict(False, f"its check messages are wrong: {exc}", lied=True))
                 return
@@ -227,6 +240,8 @@ class OwnerLink:
                 self.channel.send_nowait(CHECK, self.owner, claim, aux=CLAIM)
         elif step == CLAIM:
             check.on_claim(payload)
+        elif step == DISPUTE:
+            check.on_dispute(payload)
         elif step == END:
             self._judged(check.decide())
         else:

@@ -16,7 +16,7 @@ from moshpitd.allreduce.layout import Part
 from moshpitd.allreduce.ownercheck import OwnerCheck
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.reducer import PartReducer, ReductionError
-from moshpitd.allreduce.verifier import CLAIM, COMMIT, COMMITS, END, REVEAL, SEEDS
+from moshpitd.allreduce.verifier import CLAIM, COMMIT, COMMITS, DISPUTE, END, REVEAL, SEEDS
 from moshpitd.hooks import Hooks
 from moshpitd.transport.dataplane import (
     ABORT,
@@ -99,6 +99,8 @@ class SenderSlot:
             p = self.plan.parts[part]
             try:
                 values = self.plan.codec.decode(payload, p.numel, self.plan.dtypes[p.run])
+                if self.side.check is not None:  # before `contribute` reads it (in place)
+                    self.side.check.keep(self.sender, part, payload)
                 self.side.contribute(p, self.sender, values)
             except (ReductionError, CodecError) as exc:
                 self.channel.abort(exc, part, BAD_VALUES)  # first: exclude's abort says less
@@ -199,6 +201,8 @@ class SenderSlot:
         for claimant, claim in check.claims.items():
             if claimant != self.sender:
                 await self.channel.send(CHECK, 0, claim, aux=CLAIM)
+        for claimant in sorted(check.disputed):
+            await self.channel.send(CHECK, 0, claimant.to_bytes(2, "big"), aux=DISPUTE)
         await self.channel.send(CHECK, 0, b"", aux=END, then=self._release)
         self.ended = True
 

@@ -12,6 +12,7 @@ aux):
     SEEDS   <-   the seeds revealed to it; the spots are hashed from them
     CLAIM   ->   our values at the spots, as the wire codec carried them, signed
     CLAIM   <-   each other contributor's claim, relayed (the owner can drop one, not forge it)
+    DISPUTE <-   instead of a claim that disagrees with what its claimant sent the owner
     END     <-   nothing more: we decide, and the stream ends (a kept session goes on)
 
 A span passes only if every result agrees with the aggregation of the claims of the members
@@ -29,6 +30,7 @@ import numpy as np
 from moshpitd.allreduce.checks import (
     SEED_BYTES,
     CheckError,
+    Unverifiable,
     Verdict,
     commitment,
     make_claim,
@@ -44,7 +46,7 @@ from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.identity import PeerKey
 
 # CHECK frames' steps (in aux), both directions
-COMMIT, COMMITS, REVEAL, SEEDS, CLAIM, END = 1, 2, 3, 4, 5, 6
+COMMIT, COMMITS, REVEAL, SEEDS, CLAIM, END, DISPUTE = 1, 2, 3, 4, 5, 6, 7
 
 
 class SpanVerifier:
@@ -62,6 +64,7 @@ class SpanVerifier:
         self.at: np.ndarray | None = None
         self.at_digest = b""
         self.claims: dict[int, np.ndarray] = {}
+        self.disputed: set[int] = set()  # claimants whose claim the owner says is false
         self.verdict: Verdict | None = None
 
     def commit(self) -> bytes:
@@ -72,10 +75,9 @@ class SpanVerifier:
             raise CheckError("commitments after results, or twice")
         commits = unpack_indexed(payload, self.plan.size)
         me = self.plan.me
-        if not self.plan.listening and commits.get(me) != self.commit():
-            # our COMMIT went before our first part, so before any part could be final
-            raise CheckError("the owner left out our commitment")
         self.commits = commits
+        if commits.get(me) != self.commit():  # (a listener's may come after the first result)
+            raise Unverifiable("our commitment came too late to be listed")
 
     def hold(self, part: Part, values: np.ndarray | None, mask: int) -> None:
         if self.commits is None:
@@ -97,8 +99,8 @@ class SpanVerifier:
         for index, seed in seeds.items():
             if self.commits.get(index) != commitment(seed):
                 raise CheckError(f"member {index}'s seed does not match its commitment")
-        if self.plan.me in self.commits and seeds.get(self.plan.me) != self.seed:
-            raise CheckError("the owner left out our seed")
+        if seeds.get(self.plan.me) != self.seed:  # spots the owner may have known early
+            raise Unverifiable("our seed is not among those the spots were drawn from")
         total = sum(p.numel for p in self.parts)
         self.at = spots(self.plan.group.digest, self.owner, seeds, total)
         self.at_digest = spots_digest(self.at)
@@ -120,9 +122,23 @@ class SpanVerifier:
         if claim.claimant != self.plan.me:
             self.claims[claim.claimant] = claim.values
 
+    def on_dispute(self, payload: memoryview) -> None:
+        """The owner says a claim disagrees with what its claimant sent it. Ours never does:
+        then the owner lies. Another's: one of the two lies, and we cannot tell which."""
+        if self.at is None or len(payload) != 2:
+            raise CheckError("a dispute before the seeds, or malformed")
+        claimant = int.from_bytes(payload, "big")
+        if claimant == self.plan.me and self.plan.me in self.claims:
+            raise CheckError("the owner disputes our claim, which is what we sent")
+        self.disputed.add(claimant)
+
     def decide(self) -> Verdict:
         if self.at is None or len(self.masks) < len(self.parts):
             self.verdict = Verdict(False, "the check did not finish")
+            return self.verdict
+        if self.disputed:
+            self.verdict = Verdict(False, f"the owner disputes the claims of members "
+                                          f"{sorted(self.disputed)}")
             return self.verdict
         masks = [self.masks[p.index] for p in self.parts]
         held = [self.values.get(p.index) for p in self.parts]

@@ -110,7 +110,8 @@ def test_phantom_joins_are_refused(net: Net) -> None:
     up, or an honest peer's), or signed for another leader, are refused as UNAUTHENTICATED
     while d0 leads; the group then forms of the three honest peers alone."""
     d0, d1 = net.swarm.daemons[:2]
-    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True)
+    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True,
+                         checked=True)
     attacker = PeerKey.generate()
 
     def join(peer_id: bytes, leader: bytes | None = None) -> pb.JoinRequest:
@@ -158,7 +159,7 @@ def test_impersonation_on_the_data_plane_is_refused(net: Net) -> None:
     saying all four contributed. Now each owner refuses the streams that do not prove their
     member's key, and every element is the trimmed mean of the four real contributions."""
     schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", "trimmed_mean",
-                         encrypted=True)
+                         encrypted=True, checked=True)
     leader = FakeLeader(net.loop, net.key, "impersonate", schema, ELEMS, followers=3)
     try:
         leader.declare([d.dht for d in net.swarm.daemons], ttl=IN_AN_ATTEMPT)
@@ -257,7 +258,8 @@ def test_a_leader_that_accepts_and_never_assembles_holds_nobody_for_long(net: Ne
     nobody follows it or waits for it. Declared for one attempt, it holds each follower until
     the earlier of the two deadlines, is not asked again (in the next round either), and the
     honest peers average among themselves within their timeout."""
-    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True)
+    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True,
+                         checked=True)
     inputs = inputs_of(net.ids, 20)
     want = torch.stack([inputs[p] for p in net.ids]).mean(0)
     timeout = 25.0  # a loaded machine (the suite runs 5 workers) may need a third attempt
@@ -347,7 +349,8 @@ def test_a_group_listing_a_peer_that_never_joined_is_left(net: Net) -> None:
     theirs = {r[0]: Declaration.unpack(r[1]) for r in rows}
     d2_decl = theirs[bytes.fromhex(d2.info["peer_id"])]
     assert d2_decl is not None and d2_decl.withdrawn
-    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True)
+    schema = schema_hash(specs_from_wire([["float32", [ELEMS], 0]]), "none", encrypted=True,
+                         checked=True)
     leader = FakeLeader(net.loop, net.key, key, schema, ELEMS, followers=1)
     leader.listed.append(GroupMember(bytes.fromhex(d2.info["peer_id"]), d2_decl.endpoint,
                                      d2_decl.weight, False, d2_decl.bandwidth,

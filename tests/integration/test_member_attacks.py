@@ -171,7 +171,8 @@ def test_a_join_flood_is_bounded(swarm: Swarm) -> None:
     up, the honest peers average under the first key, exactly, among themselves."""
     s, key, _ = swarm
     round_key, hold_key = "join-flood", "join-hold"
-    schema = schema_hash([TensorSpec("float32", (ELEMS,), 0)], encrypted=True)  # a swarm key
+    schema = schema_hash([TensorSpec("float32", (ELEMS,), 0)], encrypted=True,  # a swarm key
+                         checked=True)
     ghosts = [PeerKey.generate() for _ in range(3)]
     unreachable = PeerKey.generate()
     with RawDHT(key) as raw:

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from moshpitd.allreduce.butterfly import ButterflyRound, RoundResult
+from moshpitd.allreduce.checks import make_claim
 from moshpitd.allreduce.codecs import Codec, get_codec
 from moshpitd.allreduce.layout import FlatView, TensorSpec
+from moshpitd.allreduce.verifier import SpanVerifier
 from moshpitd.hooks import NO_HOOKS, Hooks
 from tests.unit.test_round_harness import (
     PART_BYTES,
@@ -143,5 +145,41 @@ def test_a_rare_lie_is_caught_within_a_bounded_number_of_rounds() -> None:
         finally:
             await stop(ms)
         assert caught >= 3
+
+    asyncio.run(scenario())
+
+
+def test_a_contributor_that_claims_other_values_gets_no_honest_owner_accused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Member 3 says, signed, that it sent other values than it did. Every owner checks claims
+    against what the claimant's stream carried, relays a dispute instead of the false claim,
+    and names the claimant; the other members keep their values for those spans and accuse
+    nobody. The liar's own span (its claim there is its own values) is checked as usual."""
+    original = SpanVerifier.on_seeds
+
+    def lying(self: SpanVerifier, payload: memoryview) -> bytes | None:
+        claim = original(self, payload)
+        if claim is None or self.plan.me != 3:
+            return claim
+        values = self.claims[3] + 5.0
+        return make_claim(self.key, self.plan.group.digest, self.owner, 3, self.at_digest,
+                          values)
+
+    monkeypatch.setattr(SpanVerifier, "on_seeds", lying)
+
+    async def scenario() -> None:
+        ms = await members(4, 50_000, seed=4)
+        try:
+            before = [m.values.copy() for m in ms]
+            results = await one_round(ms, "none", "mean")
+            for i in range(3):  # every honest member is an owner that caught the claimant
+                r = results[i]
+                assert r.lied == (3,), r.lied
+                for lo, hi, mask in r.spans:
+                    if mask == 0:
+                        np.testing.assert_array_equal(ms[i].values[lo:hi], before[i][lo:hi])
+                assert r.unchecked == 2  # the other honest owners' spans: disputed
+        finally:
+            await stop(ms)
 
     asyncio.run(scenario())
