@@ -9,7 +9,12 @@ the other sees a different machine.
 With --encrypted, moshpit also runs under a swarm key (every data-plane frame sealed with
 AES-256-GCM), and the table says what encryption cost the daemons: their CPU beyond the plain
 run's, against the cipher's own cost (the bytes they sealed and opened over the speed of
-AES-256-GCM on one core of this machine, measured in the same invocation).
+AES-256-GCM on one core of this machine, measured in the same invocation). That run does not
+check results (`check_results = off`), so it measures encryption alone.
+
+With --checked, moshpit also runs under the swarm key with checked reductions (the key's
+default, docs/security-identity.md), beside the same without them, and the table says what the
+checks cost: wall time, daemon CPU and bytes on the wire, checked over unchecked.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encrypted", action="store_true",
                    help="also run moshpit under a swarm key (every frame sealed), and report "
                         "the daemons' extra CPU against the cipher's own cost")
+    p.add_argument("--checked", action="store_true",
+                   help="also run moshpit under a swarm key with checked reductions, and report "
+                   "their cost against the same without them (implies --encrypted)")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     p.add_argument("--skip-gloo", action="store_true", help="run moshpit only")
     p.add_argument("--skip-moshpit", action="store_true", help="run gloo only")
@@ -81,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "200,200,20,20 or 4x100,rtt=50,loss=1 (--peers is the host count)")
     net.add_argument("--systems", default=",".join(NETNS_SYSTEMS),
                      help="with --netns: which systems, in this order (default: all of "
-                          f"{','.join(NETNS_SYSTEMS)}; moshpit-plain is data_encryption = off)")
+                          f"{','.join(NETNS_SYSTEMS)}; moshpit-unchecked is check_results = "
+                          "off, moshpit-plain also data_encryption = off)")
     net.add_argument("--warmup", type=positive, default=2,
                      help="with --netns: untimed rounds first (default 2: moshpit's first "
                           "round measures the links, its second uses the rates)")
@@ -148,12 +157,31 @@ def cipher_cost(rows: list[dict[str, Any]], passes: list[dict[str, Samples]], sp
             "cipher_cpu_s": cipher, "extra_cpu_s": extra, "extra_over_cipher": extra / cipher}
 
 
+def check_cost(rows: list[dict[str, Any]], passes: list[dict[str, Samples]]
+               ) -> dict[str, float] | None:
+    """The checked row against the unchecked encrypted one, per round: wall time, daemons'
+    CPU and wire bytes."""
+    checked = next((r for r in rows if r["system"] == "moshpit-checked"), None)
+    base = next((r for r in rows if r["system"] == "moshpit-encrypted"), None)
+    if checked is None or base is None:
+        return None
+
+    def wire(system: str) -> float:
+        return statistics.median(b for p in passes for b in p[system].wire_bytes)
+
+    return {"wall_ratio": checked["median_s"] / base["median_s"],
+            "daemon_cpu_ratio": checked["daemon_cpu_median_s"] / base["daemon_cpu_median_s"],
+            "wire_bytes_ratio": wire("moshpit-checked") / wire("moshpit-encrypted"),
+            "extra_cpu_s": checked["daemon_cpu_median_s"] - base["daemon_cpu_median_s"]}
+
+
 def fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else "-" if value is None else str(value)
 
 
 def print_table(rows: list[dict[str, Any]], ratio: float | None,
-                ratios: list[float], cost: dict[str, float] | None = None) -> None:
+                ratios: list[float], cost: dict[str, float] | None = None,
+                checks: dict[str, float] | None = None) -> None:
     cols = [("system", "system"), ("peers", "peers"), ("elems", "elems"),
             ("median_s", "median s"), ("min_s", "min s"), ("max_s", "max s"),
             ("daemon_median_s", "daemon s"), ("matchmaking_median_s", "match s"),
@@ -173,6 +201,11 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None,
               f"itself costs {cost['cipher_cpu_s']:.3f} CPU s; the daemons used "
               f"{cost['extra_cpu_s']:.3f} CPU s more than without encryption "
               f"({cost['extra_over_cipher']:.2f}x the cipher's cost)")
+    if checks is not None:
+        print(f"\nchecked reductions, against the same encrypted run without them: wall "
+              f"{checks['wall_ratio']:.3f}x, daemon CPU {checks['daemon_cpu_ratio']:.3f}x "
+              f"({checks['extra_cpu_s']:+.3f} CPU s), wire bytes "
+              f"{checks['wire_bytes_ratio']:.4f}x")
     for r in rows:
         if r.get("partial_rounds"):
             print(f"WARNING: in {r['partial_rounds']} of {len(r['samples_s'])} {r['system']} "
@@ -209,12 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for _ in range(args.passes):
             done: dict[str, Samples] = {}
-            for encrypted in ([False, True] if args.encrypted else [False]):
+            variants = [(False, False)]
+            if args.encrypted or args.checked:
+                variants.append((True, False))
+            if args.checked:
+                variants.append((True, True))
+            for encrypted, checked in variants:
                 if args.skip_moshpit:
                     break
                 run = run_moshpit(args.peers, args.elems, args.repeat, args.timeout,
                                   args.workdir, args.daemon_log_level, args.min_group_size,
-                                  args.codec, args.ipc, args.aggregation, encrypted)
+                                  args.codec, args.ipc, args.aggregation, encrypted, checked)
                 done[run.system] = run
             if not args.skip_gloo:
                 done["gloo"] = run_gloo(args.peers, args.elems, args.repeat, args.timeout)
@@ -230,16 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [statistics.median(p["moshpit"].seconds) / statistics.median(p["gloo"].seconds)
               for p in passes if {"moshpit", "gloo"} <= p.keys()]
     ratio = statistics.median(ratios) if ratios else None
-    cost = cipher_cost(rows, passes, aes_gcm_speed()) if args.encrypted else None
+    cost = cipher_cost(rows, passes, aes_gcm_speed()) if args.encrypted or args.checked \
+        else None
+    checks = check_cost(rows, passes)
     if args.json:
         print(json.dumps({"peers": args.peers, "elems": args.elems, "codec": args.codec,
                           "aggregation": args.aggregation,
                           "ipc": args.ipc, "min_group_size": args.min_group_size,
                           "repeat": args.repeat, "passes": args.passes, "rows": rows,
-                          "ratio": ratio, "pass_ratios": ratios, "encryption": cost},
-                         indent=2))
+                          "ratio": ratio, "pass_ratios": ratios, "encryption": cost,
+                          "checks": checks}, indent=2))
     else:
-        print_table(rows, ratio, ratios, cost)
+        print_table(rows, ratio, ratios, cost, checks)
     return 0
 
 

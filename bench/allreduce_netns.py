@@ -6,7 +6,9 @@ host receives): `200,200,20,20` or `4x100,rtt=50,loss=1`. The hosts are network 
 one bridge (netlab): tbf caps each link, nftables drops the loss, the delayer adds the delay.
 
 Each host runs, one system after the other on the same topology: a moshpit daemon with a swarm
-key (so its data plane is encrypted), the same with `data_encryption = off`, one gloo rank, and
+key (so its data plane is encrypted and its results checked), the same with `check_results =
+off` (moshpit-unchecked: what checks cost), the same with neither (moshpit-plain), one gloo
+rank, and
 hivemind 1.1.12's DecentralizedAverager (.venv-peers). Every system averages one float32 vector
 of the same size in warm-up rounds, then timed rounds; a round's time is its slowest host's.
 
@@ -38,7 +40,7 @@ from moshpitd.allreduce.layout import SHARE_CAP
 from moshpitd.allreduce.spans import optimal_shares, round_time
 from netlab import LinkSpec, Topology, missing_prerequisites, parse_rate
 
-SYSTEMS = ("moshpit", "moshpit-plain", "gloo", "hivemind")
+SYSTEMS = ("moshpit", "moshpit-unchecked", "moshpit-plain", "gloo", "hivemind")
 GLOO_PORT, HIVEMIND_PORT = 29500, 7900  # one process per namespace: fixed ports
 HIVEMIND_PY = ROOT / ".venv-peers" / "bin" / "python"
 
@@ -141,14 +143,18 @@ def _rounds(out: Result, topo: Topology, kids: list[Child], warmup: int, repeat:
     out.max_error = max(errors, default=float("nan"))
 
 
-def run_moshpit(topo: Topology, args: argparse.Namespace, encrypted: bool) -> Result:
-    """One daemon per host with a swarm key; trainers (bench.worker) reach them over IPC."""
-    out = Result("moshpit" if encrypted else "moshpit-plain")
+def run_moshpit(topo: Topology, args: argparse.Namespace, system: str) -> Result:
+    """One daemon per host with a swarm key; trainers (bench.worker) reach them over IPC.
+    `moshpit` runs as the key makes it (encrypted, results checked), `moshpit-unchecked`
+    with `check_results = off`, `moshpit-plain` with neither encryption nor checks."""
+    out = Result(system)
+    encrypted = system != "moshpit-plain"
     key = topo.workdir / "swarm.key"
     if not key.exists():
         key.write_text(secrets.token_hex(32))
         key.chmod(0o600)
     extra = ["--swarm-key-file", str(key), "--data-encryption", "auto" if encrypted else "off",
+             "--check-results", "auto" if system == "moshpit" else "off",
              "--log-level", args.daemon_log_level]
     h0, *others = topo.hosts
     first = topo.start_daemon(h0, extra_args=extra, name=f"{out.system}-h1")
@@ -289,7 +295,8 @@ def report(out: dict[str, Any]) -> None:
           "reduce s; cpu = CPU\nseconds of the daemons (moshpit) or workers (gloo: -) per "
           "round; delayer = the link\nemulation's CPU per round; partial = timed rounds that "
           "did not average\nevery host's whole vector (a split group, or parts cut at the "
-          "deadline); encryption:\nmoshpit on, moshpit-plain off.")
+          "deadline); encryption:\nmoshpit and moshpit-unchecked on, moshpit-plain off; "
+          "checked results: moshpit only.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -324,7 +331,7 @@ def main(args: argparse.Namespace) -> int:
                 elif system == "hivemind":
                     results.append(run_hivemind(topo, args))
                 else:
-                    results.append(run_moshpit(topo, args, system == "moshpit"))
+                    results.append(run_moshpit(topo, args, system))
     except BenchError as exc:
         print(f"bench.allreduce: {exc}", file=sys.stderr)
         return 1

@@ -61,23 +61,28 @@ def _answers(children: list[Child], timeout: float) -> list[dict[str, Any]]:
 def run_moshpit(peers: int, elems: int, repeat: int, timeout: float,
                 workdir: str | None = None, log_level: str = "INFO",
                 min_group_size: int = 2, codec: str = "none", ipc: str = "shared",
-                aggregation: str = "mean", encrypted: bool = False) -> Samples:
+                aggregation: str = "mean", encrypted: bool = False,
+                checked: bool = False) -> Samples:
     """Daemons from LocalSwarm, one worker process per daemon, stepped with `go` lines;
-    `encrypted`: under a swarm key, so every data-plane frame is sealed (AES-256-GCM)."""
+    `encrypted`: under a swarm key, so every data-plane frame is sealed (AES-256-GCM), with
+    results checked (`checked`, the key's default) or not."""
     import os
     import tempfile
     from pathlib import Path
 
     from moshpitd.launcher import LaunchError, LocalSwarm
 
-    out = Samples("moshpit-encrypted" if encrypted else "moshpit")
+    out = Samples("moshpit-checked" if checked else
+                  "moshpit-encrypted" if encrypted else "moshpit")
     extra: list[str] = []
     keydir = tempfile.TemporaryDirectory(prefix="moshpit-bench-key-")
+    encrypted = encrypted or checked
     if encrypted:
         key_file = Path(keydir.name) / "swarm.key"
         key_file.write_text(os.urandom(32).hex())
         key_file.chmod(0o600)
-        extra = ["--swarm-key-file", str(key_file)]
+        extra = ["--swarm-key-file", str(key_file),
+                 "--check-results", "on" if checked else "off"]
     try:
         swarm = LocalSwarm(peers, workdir=workdir, log_level=log_level,
                            extra_args=extra).start()

@@ -158,16 +158,19 @@ def elements(pieces: Sequence[np.ndarray], lo: int, hi: int) -> np.ndarray:
 def sent_values(parts: Sequence[Part], pieces_of: Callable[[Part], Sequence[np.ndarray]],
                 at: np.ndarray, codec: Codec | None, dtypes: dict[int, np.dtype]) -> np.ndarray:
     """Our values at the spots as the owner decoded them: through `codec` (None: the owner's
-    own values, which never travel), one block per spot for the block codecs (a part's blocks
-    start at its first element, so a block encodes alone as it did within the part)."""
+    own values, which never travel), from the values in their own dtype (a float64 value goes
+    to fp16 in one rounding, not through float32), one block per spot for the block codecs (a
+    part's blocks start at its first element, so a block encodes alone as it did within the
+    part)."""
     which, offset = locate(parts, at)
     out = np.empty(at.size, dtype=np.float64)
+    block = 1 if codec is None else codec.block
+    lossy = codec is not None and codec.name != "none"
     for k, (w, o) in enumerate(zip(which.tolist(), offset.tolist(), strict=True)):
         p = parts[w]
-        block = 1 if codec is None else codec.block
         lo = o - o % block
         values = elements(pieces_of(p), lo, min(lo + block, p.numel))
-        if codec is not None and codec.name != "none":
+        if lossy and codec is not None:
             values = codec.decode(codec.encode(np.ascontiguousarray(values)), values.size,
                                   dtypes[p.run])
         out[k] = float(values[o - lo])
@@ -191,59 +194,60 @@ def verify_span(aggregation: str, codec: Codec, parts: Sequence[Part], masks: Se
                 claims: dict[int, np.ndarray], weights: Sequence[float]) -> Verdict:
     """Does every held result agree, at the spots that fall in it, with the aggregation of the
     claims of the members its mask names? `held[i]` is part i's decoded result (None where its
-    mask is 0)."""
+    mask is 0). Spots are taken together by mask and dtype: one aggregation for each."""
     which, offset = locate(parts, at)
-    for w in np.unique(which).tolist():
-        mask = masks[w]
-        if not mask:
-            continue
+    groups: dict[tuple[int, np.dtype], list[int]] = {}
+    for k, w in enumerate(which.tolist()):
+        if masks[w]:
+            groups.setdefault((masks[w], dtypes[parts[w].run]), []).append(k)
+    block = codec.block if codec.name in _LEVELS else 0
+    for (mask, dtype), ks in groups.items():
         rows = [i for i in range(len(weights)) if mask >> i & 1]
         missing = [i for i in rows if i not in claims]
         if missing:
             return Verdict(False, f"no claim came from members {missing}")
-        cols = np.flatnonzero(which == w)
+        cols = np.array(ks)
         x = np.stack([claims[i][cols] for i in rows])
         wt = np.array([weights[i] for i in rows], dtype=np.float64)
         # the reducer's mean weighs by the group's weights as they are; robust aggregations
         # cap them at their median first (robust.aggregate), as the reducer's do
         want = wt @ x / wt.sum() if aggregation == "mean" else aggregate(aggregation, x.copy(),
                                                                           wt)
-        values = held[w]
-        assert values is not None
-        got = values[offset[cols]].astype(np.float64)
-        tol = _tolerance(aggregation, codec, dtypes[parts[w].run], x, wt, want, values,
-                         offset[cols])
+        values = [held[which[k]] for k in ks]
+        got = np.array([float(v[offset[k]]) for v, k in zip(values, ks, strict=True)])
+        top = None
+        if block:  # the largest value of the result's block around each spot
+            starts = [int(offset[k]) - int(offset[k]) % block for k in ks]
+            top = np.array([float(np.abs(v[s:s + block]).max())
+                            for v, s in zip(values, starts, strict=True)])
+        tol = _tolerance(aggregation, codec, dtype, x, wt, want, top)
         bad = np.flatnonzero(~(np.abs(got - want) <= tol))
         if bad.size:
-            k = int(bad[0])
-            return Verdict(False, f"part {parts[w].index} element {int(offset[cols][k])}: "
-                                  f"result {got[k]!r}, the claims give {want[k]!r} "
-                                  f"(tolerance {tol[k]:.3g})", lied=True)
+            b = int(bad[0])
+            p = parts[which[ks[b]]]
+            return Verdict(False, f"part {p.index} element {int(offset[ks[b]])}: "
+                                  f"result {got[b]!r}, the claims give {want[b]!r} "
+                                  f"(tolerance {tol[b]:.3g})", lied=True)
     return Verdict(True)
 
 
 def _tolerance(aggregation: str, codec: Codec, dtype: np.dtype, x: np.ndarray, w: np.ndarray,
-               want: np.ndarray, values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+               want: np.ndarray, top: np.ndarray | None) -> np.ndarray:
     """Four times the most an honest owner's result can differ from the exact aggregate:
     its sum's rounding (float32 for mean over float16/32 runs, float64 otherwise), the
     rounding to the run's dtype, then the wire codec's (for int8/int4 half a level of the
-    result's block, read from the block itself: max |v| / levels is the scale an honest
-    encoder used)."""
+    result's block: `top`, its largest value, over the levels is the scale an honest encoder
+    used)."""
     m = x.shape[0]
-    magnitude = np.abs(x).max(axis=0)
     if aggregation == "mean":
         unit = 2.0 ** -53 if dtype == np.float64 else 2.0 ** -24
         accum = (m + 4) * unit * (np.abs(w) @ np.abs(x)) / w.sum()
     else:
-        accum = (m + 8) * 2.0 ** -52 * magnitude
+        accum = (m + 8) * 2.0 ** -52 * np.abs(x).max(axis=0)
     near = np.abs(want) + accum
     rounding = float(np.finfo(dtype).eps) / 2 if dtype.kind == "f" else 2.0 ** -24
     tol = accum + rounding * near + _CODEC_EPS.get(codec.name, 0.0) * near \
         + _CODEC_FLOOR.get(codec.name, 0.0)
-    levels = _LEVELS.get(codec.name)
-    if levels is not None:
-        block = codec.block
-        starts = offsets - offsets % block
-        top = np.array([np.abs(values[s:s + block]).max() for s in starts.tolist()])
-        tol = tol + top / (2 * levels) * (1 + 2.0 ** -20)
+    if top is not None:
+        tol = tol + top / (2 * _LEVELS[codec.name]) * (1 + 2.0 ** -20)
     return 4 * tol + np.finfo(np.float64).tiny

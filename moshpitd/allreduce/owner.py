@@ -65,7 +65,7 @@ class ReducerSide:
         plan = self.plan
         weight = plan.group.members[plan.me].weight
         if self.check is not None and not plan.listening:
-            self.check.keep_own()
+            self.check.keep_own(self.ledger)
         for p in [] if plan.listening else plan.my_parts:
             if plan.fp16_range:  # fp16 refuses what it could not carry wherever it lies,
                 try:             # though our own span's values never travel as fp16

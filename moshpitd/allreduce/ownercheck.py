@@ -32,7 +32,7 @@ from moshpitd.allreduce.checks import (
     spots,
     spots_digest,
 )
-from moshpitd.allreduce.plan import RoundPlan
+from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.identity import PeerKey
 
 POLL = 0.005  # s: how often the owner looks again at members it waits for (a granularity)
@@ -52,18 +52,25 @@ class OwnerCheck:
         # what each sender's parts carried (sender, part index) -> payload: a claim is checked
         # against it, so a contributor that claims other values than it sent is caught here,
         # and never gets an honest owner accused
-        self.kept: dict[tuple[int, int], bytes] = {}
+        self.kept: dict[tuple[int, int], memoryview] = {}
         self.disputed: set[int] = set()  # claimants whose claim disagrees with what they sent
         self._masks: list[int] = []
         self.seeds_out = asyncio.Event()  # SEEDS may go to every member
         self.claims_out = asyncio.Event()  # the claims (and END) may go
         self._news = asyncio.Event()
 
-    def keep_own(self) -> None:
+    def keep_own(self, ledger: Ledger) -> None:
         """Our own values of our span, before the reducer accumulates in place over them: our
-        claim is made of them once the spots are known."""
+        claim is made of them once the spots are known (a copy, in the round's buffers)."""
         for p in self.plan.my_parts:
-            self.own[p.index] = np.concatenate(self.plan.view.views(p))  # a copy
+            dtype = self.plan.dtypes[p.run]
+            own = np.frombuffer(ledger.retain(p.numel * dtype.itemsize), dtype=dtype,
+                                count=p.numel)
+            pos = 0
+            for piece in self.plan.view.views(p):
+                own[pos:pos + piece.size] = piece
+                pos += piece.size
+            self.own[p.index] = own
 
     def on_commit(self, sender: int, payload: memoryview) -> None:
         if len(payload) != SEED_BYTES:
@@ -72,7 +79,7 @@ class OwnerCheck:
             self.commits[sender] = bytes(payload)
 
     def keep(self, sender: int, part: int, payload: memoryview) -> None:
-        self.kept[sender, part] = bytes(payload)
+        self.kept[sender, part] = payload  # (its own buffer: Ledger.retain)
 
     def fix_commitments(self) -> bytes:
         if self.listed is None:

@@ -152,6 +152,8 @@ class OwnerLink:
         want = self.plan.encoded_size(p) if aux else 0
         if length != want:
             raise DataPlaneError(f"result {part}: {length} bytes, expected {want}")
+        if self.check is not None and want and not self.ledger.closed:
+            return self.ledger.retain(want)  # held there until the span passes
         return self.staging  # consumed by on_frame before the next frame
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:

@@ -42,12 +42,23 @@ class ArrayPool:
     """Free 1-D arrays by dtype, up to max_bytes in all; `take` hands out a slice of one that
     is large enough (or a new array), `give` takes back what `take` handed out."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, best_fit: bool = False) -> None:
         self.max_bytes = max_bytes
         self.held = 0
+        self.best_fit = best_fit  # the smallest array that is large enough, not the warmest:
+        # for buffers of mixed sizes held together (a small request must not take a large one)
         self._free: dict[np.dtype, list[np.ndarray]] = {}
+        self._sized: dict[tuple[np.dtype, int], list[np.ndarray]] = {}  # best_fit's, by size
 
     def take(self, n: int, dtype: np.dtype) -> np.ndarray:
+        if self.best_fit:  # a few distinct sizes (a round's parts are alike): scan those
+            sizes = [size for (dt, size), arrs in self._sized.items()
+                     if dt == dtype and size >= n and arrs]
+            if not sizes:
+                return np.empty(n, dtype=dtype)
+            base = self._sized[dtype, min(sizes)].pop()
+            self.held -= base.nbytes
+            return base[:n]
         free = self._free.get(dtype, [])
         for i in range(len(free) - 1, -1, -1):  # the most recently given back: warm in cache
             if free[i].size >= n:
@@ -60,7 +71,10 @@ class ArrayPool:
         base = arr if arr.base is None else arr.base
         if isinstance(base, np.ndarray) and base.ndim == 1 and \
                 self.held + base.nbytes <= self.max_bytes:
-            self._free.setdefault(base.dtype, []).append(base)
+            if self.best_fit:
+                self._sized.setdefault((base.dtype, base.size), []).append(base)
+            else:
+                self._free.setdefault(base.dtype, []).append(base)
             self.held += base.nbytes
 
 

@@ -91,6 +91,8 @@ class SenderSlot:
         want = self.plan.encoded_size(p)
         if length != want:
             raise DataPlaneError(f"part {part}: {length} bytes, expected {want}")
+        if self.side.check is not None and not self.side.ledger.closed:
+            return self.side.ledger.retain(want)  # kept: claims are checked against it
         return self.staging  # it has room for the next header past the payload
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:

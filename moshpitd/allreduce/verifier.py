@@ -82,8 +82,8 @@ class SpanVerifier:
     def hold(self, part: Part, values: np.ndarray | None, mask: int) -> None:
         if self.commits is None:
             raise CheckError("a result before the owner's commitments")
-        if values is not None:
-            self.values[part.index] = np.array(values)  # the staging buffer is reused
+        if values is not None:  # (it lies in a buffer of its own: Ledger.retain)
+            self.values[part.index] = values
         self.masks[part.index] = mask
 
     def reveal(self) -> bytes | None:
