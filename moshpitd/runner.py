@@ -86,6 +86,7 @@ class RoundRunner:
         # owners whose span failed our check: never grouped with again while we run
         self.liars = Shunned(LIAR_SECONDS)
         metrics.watch_liars(lambda: len(self.liars))
+        self.warned_unchecked = False
         self.checked = config.check_results == "on" or (
             config.check_results == "auto"
             and (config.swarm_key is not None or config.tls is not None))
@@ -255,6 +256,11 @@ class RoundRunner:
                              self.registry.handshake, self.config.part_size, self.hooks,
                              aggregation, self.config.max_parts_in_flight,
                              sessions=self.registry, checked=self.checked)
+        if self.checked and not rnd.plan.checking and not self.warned_unchecked:
+            self.warned_unchecked = True  # once: every such round would say the same
+            log.warning("%s rounds run unchecked although check_results is on: a member cannot "
+                        "recompute it from a few coordinates (docs/security-identity.md, "
+                        "\"Checked reductions\")", aggregation)
         self.registry.register(rnd)
         try:
             result = await rnd.run(clock.allreduce(rnd.plan.wire_bytes()))

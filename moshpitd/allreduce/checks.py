@@ -182,6 +182,9 @@ class Verdict:
     ok: bool
     why: str = ""
     lied: bool = False  # a result disagreed with the claims (else: the check could not run)
+    # the contributor masks whose parts passed, when not all could be checked (a member whose
+    # claim never came, say: the parts its values are in stay unchecked, the others pass)
+    passed: frozenset[int] = frozenset()
 
 
 _CODEC_EPS = {"none": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
@@ -201,11 +204,13 @@ def verify_span(aggregation: str, codec: Codec, parts: Sequence[Part], masks: Se
         if masks[w]:
             groups.setdefault((masks[w], dtypes[parts[w].run]), []).append(k)
     block = codec.block if codec.name in _LEVELS else 0
+    unchecked: set[int] = set()
     for (mask, dtype), ks in groups.items():
         rows = [i for i in range(len(weights)) if mask >> i & 1]
         missing = [i for i in rows if i not in claims]
         if missing:
-            return Verdict(False, f"no claim came from members {missing}")
+            unchecked.add(mask)
+            continue
         cols = np.array(ks)
         x = np.stack([claims[i][cols] for i in rows])
         wt = np.array([weights[i] for i in rows], dtype=np.float64)
@@ -228,6 +233,13 @@ def verify_span(aggregation: str, codec: Codec, parts: Sequence[Part], masks: Se
             return Verdict(False, f"part {p.index} element {int(offset[ks[b]])}: "
                                   f"result {got[b]!r}, the claims give {want[b]!r} "
                                   f"(tolerance {tol[b]:.3g})", lied=True)
+    checked = {mask for mask, _ in groups}
+    if unchecked or set(masks) - {0} - checked:  # (masks that no spot fell in: unchecked)
+        missing_from = sorted({i for m in unchecked for i in range(len(weights))
+                               if m >> i & 1 and i not in claims})
+        return Verdict(False, f"parts unchecked: no claim came from members {missing_from}"
+                       if missing_from else "parts unchecked: no spot fell in them",
+                       passed=frozenset(checked - unchecked))
     return Verdict(True)
 
 

@@ -262,14 +262,16 @@ class OwnerLink:
             check.apply(self.ledger)
             self._ended()
             return
+        if verdict.passed:
+            check.apply(self.ledger)  # the parts that could be checked, and passed
         if verdict.lied:
             log.warning("owner %d (peer %s) of group %s failed the check of its span: %s; "
                         "the span keeps local values", self.owner,
                         self.plan.group.members[self.owner].peer_id.hex()[:16],
                         self.plan.group.group_id.hex()[:8], verdict.why)
         else:
-            log.info("owner %d's span could not be checked: %s; it keeps local values",
-                     self.owner, verdict.why)
+            log.info("owner %d's span could not be checked whole: %s; what was not checked "
+                     "keeps local values", self.owner, verdict.why)
         self.failure = self.failure or verdict.why
         self.done.set()
         self.progress.set()

@@ -136,10 +136,8 @@ class SpanVerifier:
         if self.at is None or len(self.masks) < len(self.parts):
             self.verdict = Verdict(False, "the check did not finish")
             return self.verdict
-        if self.disputed:
-            self.verdict = Verdict(False, f"the owner disputes the claims of members "
-                                          f"{sorted(self.disputed)}")
-            return self.verdict
+        # a disputed claim is missing like one that never came: the parts its claimant's
+        # values are in stay unchecked (local), the others are checked as usual
         masks = [self.masks[p.index] for p in self.parts]
         held = [self.values.get(p.index) for p in self.parts]
         weights = [m.weight for m in self.plan.group.members]
@@ -148,13 +146,15 @@ class SpanVerifier:
         return self.verdict
 
     def apply(self, ledger: Ledger) -> None:
-        """The span passed: its results go to the trainer's buffer."""
-        if ledger.closed:
+        """The span passed, or the parts of it whose masks did (`Verdict.passed`): their
+        results go to the trainer's buffer."""
+        verdict = self.verdict
+        if ledger.closed or verdict is None or verdict.lied:
             return
         for p in self.parts:
             mask = self.masks.get(p.index, 0)
             values = self.values.get(p.index)
-            if mask and values is not None:
+            if mask and values is not None and (verdict.ok or mask in verdict.passed):
                 self.plan.view.write(p, values)
                 ledger.apply(p.index, mask)
 

@@ -19,6 +19,7 @@ from moshpitd.hooks import NO_HOOKS, Hooks
 from tests.unit.test_round_harness import (
     PART_BYTES,
     Member,
+    StallAfterFirstPart,
     deadlines,
     group_of,
     members,
@@ -179,6 +180,42 @@ def test_a_contributor_that_claims_other_values_gets_no_honest_owner_accused(
                     if mask == 0:
                         np.testing.assert_array_equal(ms[i].values[lo:hi], before[i][lo:hi])
                 assert r.unchecked == 2  # the other honest owners' spans: disputed
+        finally:
+            await stop(ms)
+
+    asyncio.run(scenario())
+
+
+def test_a_member_that_stops_mid_round_costs_only_the_parts_its_values_are_in() -> None:
+    """Member 2 sends one part to every owner and falls silent: the owners exclude it at the
+    deadline, keep that part of it in their results (as unchecked rounds do), and its claim
+    never comes. Those parts of members 0's and 1's spans cannot be checked and keep the
+    members' own values; every other part is checked and applied, and nobody is accused."""
+    async def scenario() -> None:
+        ms = await members(3, 3 * 4 * 16384, seed=5)
+        try:
+            before = [m.values.copy() for m in ms]
+            group = group_of(ms, "none")
+            stall = StallAfterFirstPart()
+            rounds = [checked_round(group, i, m, "none", "mean", stall if i == 2 else NO_HOOKS)
+                      for i, m in enumerate(ms)]
+            for m, r in zip(ms, rounds, strict=True):
+                m.registry.register(r)
+            silent = asyncio.create_task(rounds[2].run(deadlines(0.6)))
+            results = await asyncio.gather(*(r.run(deadlines(0.6)) for r in rounds[:2]))
+            stall.release.set()
+            await asyncio.gather(silent, return_exceptions=True)
+            for i, r in enumerate(results):
+                assert r.lied == ()
+                # equal spans; ours is ours, and member 2's own span has its own claim
+                other = 1 - i
+                span = (other * 4 * 16384, (other + 1) * 4 * 16384)
+                kept = [(lo, hi) for lo, hi, mask in r.spans if mask == 0]
+                applied = [mask for lo, hi, mask in r.spans if mask and span[0] <= lo < span[1]]
+                assert kept and applied, r.spans
+                assert all(not mask >> 2 & 1 for mask in applied), r.spans  # unchecked: kept
+                for lo, hi in kept:
+                    np.testing.assert_array_equal(ms[i].values[lo:hi], before[i][lo:hi])
         finally:
             await stop(ms)
 
