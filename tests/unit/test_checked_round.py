@@ -220,3 +220,46 @@ def test_a_member_that_stops_mid_round_costs_only_the_parts_its_values_are_in() 
             await stop(ms)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
+def test_honest_owners_pass_over_mixed_dtypes(codec: str, aggregation: str) -> None:
+    """float16, float32 and float64 tensors in one request (their own roundings, the float64
+    run accumulated in float64), under every other codec: no owner is accused."""
+    sizes = {"float16": 30_000, "float32": 40_000, "float64": 30_000}
+
+    async def scenario() -> None:
+        ms = await members(4, 1, seed=9)
+        try:
+            rng = np.random.default_rng(11)
+            bufs, specs, offset = [], [], 0
+            for dtype, n in sizes.items():
+                specs.append(TensorSpec(dtype, (n,), offset))
+                offset += n * np.dtype(dtype).itemsize
+            for _ in ms:
+                buf = np.zeros(offset, dtype=np.uint8)
+                for spec in specs:
+                    arr = np.frombuffer(buf, dtype=spec.dtype, count=spec.numel,
+                                        offset=spec.offset)
+                    arr[:] = rng.standard_normal(spec.numel) * 10.0 ** rng.uniform(-3, 3,
+                                                                                   spec.numel)
+                bufs.append(buf)
+            group = group_of(ms, codec)
+            group = replace(group, members=tuple(replace(m, weight=1.0 + i)
+                                                 for i, m in enumerate(group.members)))
+            rounds = [ButterflyRound(group, i, FlatView(memoryview(b).cast("B"), specs),
+                                     get_codec(codec), m.registry.connect,
+                                     m.registry.handshake, PART_BYTES, NO_HOOKS,
+                                     aggregation, checked=True)
+                      for i, (m, b) in enumerate(zip(ms, bufs, strict=True))]
+            for m, r in zip(ms, rounds, strict=True):
+                m.registry.register(r)
+            results = await run_all(rounds, [deadlines(4.0) for _ in ms])
+            for r in results:
+                assert isinstance(r, RoundResult), r
+                assert r.lied == () and r.unchecked == 0 and r.parts_averaged == r.parts
+        finally:
+            await stop(ms)
+
+    asyncio.run(scenario())
