@@ -63,6 +63,8 @@ def commitment(seed: bytes) -> bytes:
 
 def pack_indexed(items: dict[int, bytes]) -> bytes:
     """(member index, 32 bytes) pairs: commitments or seeds."""
+    if any(len(v) != SEED_BYTES for v in items.values()):
+        raise CheckError("a commitment or seed that is not 32 bytes")
     return b"".join(INDEXED.pack(i, v) for i, v in sorted(items.items()))
 
 
@@ -214,6 +216,9 @@ def verify_span(aggregation: str, codec: Codec, parts: Sequence[Part], masks: Se
         cols = np.array(ks)
         x = np.stack([claims[i][cols] for i in rows])
         wt = np.array([weights[i] for i in rows], dtype=np.float64)
+        if not wt.sum() > 0:  # an honest owner's masks name a weighted member
+            return Verdict(False, f"a result whose mask names only members of weight 0: "
+                                  f"{rows}", lied=True)
         # the reducer's mean weighs by the group's weights as they are; robust aggregations
         # cap them at their median first (robust.aggregate), as the reducer's do
         want = wt @ x / wt.sum() if aggregation == "mean" else aggregate(aggregation, x.copy(),
@@ -258,8 +263,12 @@ def _tolerance(aggregation: str, codec: Codec, dtype: np.dtype, x: np.ndarray, w
         accum = (m + 8) * 2.0 ** -52 * np.abs(x).max(axis=0)
     near = np.abs(want) + accum
     rounding = float(np.finfo(dtype).eps) / 2 if dtype.kind == "f" else 2.0 ** -24
+    # the smallest values round by a step, not a share: the run's subnormals, and float32's
+    # where a mean of float16 runs accumulates
+    floor = float(np.finfo(dtype).smallest_subnormal) if dtype.kind == "f" else 0.0
+    floor += float(np.finfo(np.float32).smallest_subnormal)
     tol = accum + rounding * near + _CODEC_EPS.get(codec.name, 0.0) * near \
-        + _CODEC_FLOOR.get(codec.name, 0.0)
+        + _CODEC_FLOOR.get(codec.name, 0.0) + (m + 4) * floor
     if top is not None:
         tol = tol + top / (2 * _LEVELS[codec.name]) * (1 + 2.0 ** -20)
     return 4 * tol + np.finfo(np.float64).tiny

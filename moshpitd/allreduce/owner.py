@@ -218,7 +218,7 @@ class ReducerSide:
         """A checked round's owner side, once our parts are final (allreduce/ownercheck.py)."""
         if self.check is None:
             return
-        self.check.fix_commitments()
+        self.check.fix_commitments(self.reducer.excluded)
 
         def draining(i: int) -> bool:
             slot = self.slots.get(i)

@@ -75,18 +75,23 @@ class OwnerCheck:
     def on_commit(self, sender: int, payload: memoryview) -> None:
         if len(payload) != SEED_BYTES:
             raise CheckError(f"a commitment of {len(payload)} bytes")
-        if self.listed is None:
+        if self.listed is None and sender != self.plan.me:
             self.commits[sender] = bytes(payload)
 
     def keep(self, sender: int, part: int, payload: memoryview) -> None:
         self.kept[sender, part] = payload  # (its own buffer: Ledger.retain)
 
-    def fix_commitments(self) -> bytes:
+    def fix_commitments(self, excluded: int) -> bytes:
+        """The list, fixed as our first result goes out. Members excluded by then get no
+        results and will reveal nothing: they are left out (every listed seed must come)."""
         if self.listed is None:
+            self.commits = {i: c for i, c in self.commits.items() if not excluded >> i & 1}
             self.listed = pack_indexed(self.commits)
         return self.listed
 
     def on_reveal(self, sender: int, payload: memoryview) -> None:
+        if len(payload) != SEED_BYTES:  # (packed as 32 bytes: another length would no longer
+            raise CheckError(f"a seed of {len(payload)} bytes")  # match its commitment)
         if self.listed is None or sender in self.seeds or self.at is not None:
             return  # late, or twice: the spots are drawn without it
         if self.commits.get(sender) != commitment(bytes(payload)):
@@ -147,8 +152,9 @@ class OwnerCheck:
                                          self.at_digest, values)
         self.seeds_out.set()
         owed = {i for i in range(self.plan.size) if contributors >> i & 1} - {me}
+        # its own budget: a member that held up the seeds must not leave no time for claims
         await self._gather(owed, lambda i: i in self.claims or i in self.disputed,
-                           lambda i: False, until, patience)
+                           lambda i: False, max(until, time.monotonic() + patience), patience)
         self.claims_out.set()
 
     def seeds_payload(self) -> bytes:

@@ -192,6 +192,10 @@ class OwnerLink:
             return
         if not (self.plan.listening or aux >> self.plan.me & 1):
             self.whole = False  # the owner lacks our part: it will not keep the stream
+            if aux and self.check is not None:  # an honest owner that dropped us aborted our
+                # stream: a mask without us on it would let it choose whose claims count
+                self._judged(Verdict(False, f"result {part} leaves out our part", lied=True))
+                return
         values = None
         if aux:
             values = self.plan.codec.decode(payload, p.numel, self.plan.dtypes[p.run])

@@ -182,7 +182,8 @@ class SenderSlot:
             last = sent == len(self.plan.my_parts) and not self.expected
             try:
                 if check is not None and sent == 1:
-                    await self.channel.send(CHECK, index, check.fix_commitments(), aux=COMMITS)
+                    await self.channel.send(CHECK, index, check.fix_commitments(self.side.reducer.excluded),
+                                            aux=COMMITS)
                 await self.channel.send(RESULT, index, payload, aux=mask,
                                         then=self._release if last and check is None else None)
                 if last and check is not None:

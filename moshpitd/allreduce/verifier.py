@@ -65,6 +65,7 @@ class SpanVerifier:
         self.at_digest = b""
         self.claims: dict[int, np.ndarray] = {}
         self.disputed: set[int] = set()  # claimants whose claim the owner says is false
+        self.unseeded: set[int] = set()  # listed members whose seeds the spots lack
         self.verdict: Verdict | None = None
 
     def commit(self) -> bytes:
@@ -75,8 +76,12 @@ class SpanVerifier:
             raise CheckError("commitments after results, or twice")
         commits = unpack_indexed(payload, self.plan.size)
         me = self.plan.me
+        if self.owner in commits:  # its own seed would let it choose the spots
+            raise CheckError("the owner listed a commitment of its own")
         self.commits = commits
-        if commits.get(me) != self.commit():  # (a listener's may come after the first result)
+        if me in commits and commits[me] != self.commit():
+            raise CheckError("the owner listed another commitment as ours")
+        if me not in commits:  # (a listener's may come after the first result)
             raise Unverifiable("our commitment came too late to be listed")
 
     def hold(self, part: Part, values: np.ndarray | None, mask: int) -> None:
@@ -99,8 +104,12 @@ class SpanVerifier:
         for index, seed in seeds.items():
             if self.commits.get(index) != commitment(seed):
                 raise CheckError(f"member {index}'s seed does not match its commitment")
-        if seeds.get(self.plan.me) != self.seed:  # spots the owner may have known early
+        if self.plan.me in self.commits and self.plan.me not in seeds:
             raise Unverifiable("our seed is not among those the spots were drawn from")
+        # a listed seed left out (its member failed, or the owner chose to drop it) counts as
+        # that member's claim left out too: the parts its values are in stay unchecked, so
+        # the owner gains no choice of spots over the parts it could pass
+        self.unseeded = set(self.commits) - set(seeds)
         total = sum(p.numel for p in self.parts)
         self.at = spots(self.plan.group.digest, self.owner, seeds, total)
         self.at_digest = spots_digest(self.at)
@@ -139,10 +148,11 @@ class SpanVerifier:
         # a disputed claim is missing like one that never came: the parts its claimant's
         # values are in stay unchecked (local), the others are checked as usual
         masks = [self.masks[p.index] for p in self.parts]
+        claims = {i: v for i, v in self.claims.items() if i not in self.unseeded}
         held = [self.values.get(p.index) for p in self.parts]
         weights = [m.weight for m in self.plan.group.members]
         self.verdict = verify_span(self.plan.aggregation, self.plan.codec, self.parts, masks,
-                                   held, self.plan.dtypes, self.at, self.claims, weights)
+                                   held, self.plan.dtypes, self.at, claims, weights)
         return self.verdict
 
     def apply(self, ledger: Ledger) -> None:

@@ -45,6 +45,7 @@ HEADER = struct.Struct("<BBHIQQ")
 HELLO, PART, RESULT, ABORT, READY, CHECK = 1, 2, 3, 4, 5, 6
 KINDS = {HELLO, PART, RESULT, ABORT, READY, CHECK}
 MAX_CONTROL_PAYLOAD = 4096
+MAX_CHECK_PAYLOAD = 64 << 10  # a checked round's lists: 34 bytes a member, 1024 members at most
 BAD_VALUES = 1  # ABORT's aux: the part named in the frame was refused as data
 LEFT = 2  # ABORT's aux: the member that sent it left the round
 BUSY = 3  # ABORT's aux: no room here for a stream of an unknown group now: open it again
@@ -178,7 +179,8 @@ class Channel(asyncio.BufferedProtocol):
             if plain < 0:
                 raise TamperedFrame(f"sealed frame of {length} bytes, shorter than its tag")
             self._aad = bytes(self._hdr)
-        limit = self.max_payload if kind in (PART, RESULT) else MAX_CONTROL_PAYLOAD
+        limit = self.max_payload if kind in (PART, RESULT) else \
+            MAX_CHECK_PAYLOAD if kind == CHECK else MAX_CONTROL_PAYLOAD
         if plain > limit:
             raise DataPlaneError(f"frame of {plain} bytes exceeds {limit}")
         self._frame = (kind, part, plain, aux, length)

@@ -226,7 +226,8 @@ def test_a_member_that_stops_mid_round_costs_only_the_parts_its_values_are_in() 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
 def test_honest_owners_pass_over_mixed_dtypes(codec: str, aggregation: str) -> None:
     """float16, float32 and float64 tensors in one request (their own roundings, the float64
-    run accumulated in float64), under every other codec: no owner is accused."""
+    run accumulated in float64, values down to the subnormals), under every other codec: no
+    owner is accused."""
     sizes = {"float16": 30_000, "float32": 40_000, "float64": 30_000}
 
     async def scenario() -> None:
@@ -242,7 +243,8 @@ def test_honest_owners_pass_over_mixed_dtypes(codec: str, aggregation: str) -> N
                 for spec in specs:
                     arr = np.frombuffer(buf, dtype=spec.dtype, count=spec.numel,
                                         offset=spec.offset)
-                    arr[:] = rng.standard_normal(spec.numel) * 10.0 ** rng.uniform(-3, 3,
+                    # down to float16's (and float32's) subnormals: they round by a step
+                    arr[:] = rng.standard_normal(spec.numel) * 10.0 ** rng.uniform(-42, 3,
                                                                                    spec.numel)
                 bufs.append(buf)
             group = group_of(ms, codec)
@@ -263,3 +265,22 @@ def test_honest_owners_pass_over_mixed_dtypes(codec: str, aggregation: str) -> N
             await stop(ms)
 
     asyncio.run(scenario())
+
+
+def test_a_seed_of_another_length_is_refused_at_its_reveal() -> None:
+    """A member that commits to a 33-byte seed and reveals it would have the owner pack it as
+    32 bytes, and every other member would then see a seed that matches no commitment and
+    name the honest owner: the owner refuses it at the REVEAL (and excludes its sender)."""
+    from moshpitd.allreduce.checks import CheckError, commitment
+    from moshpitd.allreduce.ownercheck import OwnerCheck
+
+    class Plan:  # what on_commit and on_reveal read
+        me = 0
+
+    check = OwnerCheck(Plan(), None)  # type: ignore[arg-type]
+    seed = bytes(33)
+    check.on_commit(1, memoryview(commitment(seed)))
+    check.fix_commitments(0)
+    with pytest.raises(CheckError):
+        check.on_reveal(1, memoryview(seed))
+    assert check.seeds == {}
