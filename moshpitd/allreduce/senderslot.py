@@ -182,8 +182,8 @@ class SenderSlot:
             last = sent == len(self.plan.my_parts) and not self.expected
             try:
                 if check is not None and sent == 1:
-                    await self.channel.send(CHECK, index, check.fix_commitments(self.side.reducer.excluded),
-                                            aux=COMMITS)
+                    listed = check.fix_commitments(self.side.reducer.excluded)
+                    await self.channel.send(CHECK, index, listed, aux=COMMITS)
                 await self.channel.send(RESULT, index, payload, aux=mask,
                                         then=self._release if last and check is None else None)
                 if last and check is not None:
@@ -217,8 +217,9 @@ class SenderSlot:
         before (`drained`), and drops it if the round ends first (`abort_undrained`)."""
         side = self.side
         if side.release is None or side.ledger.closed or not self.channel.is_open() \
-                or side.reducer.excluded >> self.sender & 1:
-            return
+                or side.reducer.excluded >> self.sender & 1 \
+                or (side.check is not None and self.sender in side.check.disputed):
+            return  # (a claimant caught lying is named: no session is kept with it)
         self.released = self.channel.stats()
         self.released_end = self.channel.written
         side.release(self.channel)
