@@ -269,13 +269,13 @@ class RoundRunner:
         for peer, rate in result.peer_rates:
             self.peer_rates.observe(peer, rate)
         if rnd.plan.checking:
-            self._judged(group, len(set(rnd.plan.by_owner) - {rnd.plan.me}), result)
+            self._judged(group, set(rnd.plan.by_owner) - {rnd.plan.me}, result)
         clock.learn(result.bytes_sent + result.bytes_received, result.seconds, result.rates,
                     complete=result.parts_averaged == result.parts)
         return result
 
 
-    def _judged(self, group: Group, owners: int, result: RoundResult) -> None:
+    def _judged(self, group: Group, owners: set[int], result: RoundResult) -> None:
         """Owners whose span failed our check are named, counted and never grouped with
         again (docs/security-identity.md, "Checked reductions")."""
         for index in result.lied:
@@ -285,8 +285,9 @@ class RoundRunner:
                         "our values, and we no longer group with it", peer.hex(),
                         group.members[index].endpoint, group.group_id.hex()[:8])
             self.metrics.observe_liar(peer.hex())
-        self.metrics.observe_checks(owners - len(result.lied) - result.unchecked,
-                                    len(result.lied), result.unchecked)
+        failed = len(owners & set(result.lied))  # (lied also names claimants we caught)
+        self.metrics.observe_checks(len(owners) - failed - result.unchecked, failed,
+                                    result.unchecked)
 
 
 async def _data_in(request: AverageRequest, clock: RoundClock) -> None:

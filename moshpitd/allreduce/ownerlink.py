@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from moshpitd.allreduce.checks import CheckError, Unverifiable, Verdict
@@ -174,12 +175,7 @@ class OwnerLink:
                 self._exclusions.lost(self.owner, f"it left the round: {why}", "aborted")
             return
         if kind == CHECK and self.check is not None:
-            try:
-                self._on_check(aux, payload)
-            except Unverifiable as exc:
-                self._judged(Verdict(False, str(exc)))
-            except CheckError as exc:  # the owner's own frames, or what it vouched for
-                self._judged(Verdict(False, f"its check messages are wrong: {exc}", lied=True))
+            self._checking(self._on_check, aux, payload)
             return
         if kind != RESULT:
             self.fail(f"unexpected frame kind {kind}")
@@ -204,13 +200,7 @@ class OwnerLink:
                             self.owner, part)
                 values, aux = None, 0
         if self.check is not None:
-            try:
-                self.check.hold(p, values, aux)
-            except Unverifiable as exc:
-                self._judged(Verdict(False, str(exc)))
-                return
-            except CheckError as exc:
-                self._judged(Verdict(False, f"its check messages are wrong: {exc}", lied=True))
+            if not self._checking(self.check.hold, p, values, aux):
                 return
         else:
             if values is not None:
@@ -232,6 +222,19 @@ class OwnerLink:
             assert self.channel is not None and self.channel.session is not None
             self.channel.cipher = self.channel.session.control  # comes next is sealed so
         self.done.set()
+
+    def _checking(self, step: Callable[..., object], *args: object) -> bool:
+        """Runs one step of the check; a step the owner's frames broke ends it: as a lie where
+        an honest owner never sends that, else unchecked (nobody to blame)."""
+        try:
+            step(*args)
+        except Unverifiable as exc:
+            self._judged(Verdict(False, str(exc)))
+            return False
+        except CheckError as exc:  # the owner's own frames, or what it vouched for
+            self._judged(Verdict(False, f"its check messages are wrong: {exc}", lied=True))
+            return False
+        return True
 
     def _on_check(self, step: int, payload: memoryview) -> None:
         check = self.check
