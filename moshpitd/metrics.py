@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sized
@@ -49,6 +50,9 @@ class Metrics:
                                   "codec", ["codec"], registry=r)
         self.received_bytes = Counter("moshpitd_received_bytes", "Tensor bytes from peers, by "
                                       "wire codec", ["codec"], registry=r)
+        self.reduced_bytes = Counter(
+            "moshpitd_reduced_bytes", "Bytes this daemon received as the owner of a span "
+            "(what it reduced for its groups; 0 for a peer that only contributes)", registry=r)
         self.excluded_parts = Counter("moshpitd_excluded_parts", "Parts this peer reduced "
                                       "without a member's contribution, by fault", ["fault"],
                                       registry=r)
@@ -88,6 +92,28 @@ class Metrics:
 
     def observe_liar(self, peer_id: str) -> None:
         self.last_liar.info({"peer_id": peer_id})
+
+    def watch_nat(self, reachable: Callable[[], str], relayed: Callable[[], bool],
+                  relay: Any) -> None:
+        """Reachability (moshpitd/nat/reach.py) and what this daemon relays for others."""
+        r = self.registry
+        state = Gauge("moshpitd_reachability", "1 for this daemon's reachability as its last "
+                      "check found it: public, private (behind NAT) or unknown", ["state"],
+                      registry=r)
+        for name in ("public", "private", "unknown"):
+            state.labels(name).set_function(functools.partial(_is, reachable, name))
+        Gauge("moshpitd_relayed", "1 while peers reach this daemon through a relay",
+              registry=r).set_function(lambda: float(relayed()))
+        Gauge("moshpitd_relay_reservations", "Private peers this daemon relays for now",
+              registry=r).set_function(lambda: relay.reservations)
+        r.register(_Count("moshpitd_relay_bytes", "Bytes relayed for private peers, both "
+                          "directions", lambda: relay.bytes))
+        r.register(_Count("moshpitd_relay_connections", "Connections relayed to private peers",
+                          lambda: relay.connections))
+        r.register(_LabelledCounts(
+            "moshpitd_relay_refused", "Reservations and relayed connections refused, by reason",
+            "reason", ("malformed", "unwilling", "full", "per_address", "ports", "connections",
+                       "unfetched", "accept"), lambda: relay.refused))
 
     def watch_liars(self, count: Callable[[], int]) -> None:
         Gauge("moshpitd_check_liars", "Owners this daemon no longer groups with because their "
@@ -179,6 +205,10 @@ class _AuthCollector(Collector):
         for plane, count in sorted(self.rejected().items()):
             family.add_metric([plane], count)
         yield family
+
+
+def _is(value: Callable[[], str], name: str) -> float:
+    return float(value() == name)
 
 
 class _Count(Collector):

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from moshpitd.allreduce.layout import FlatView
@@ -31,6 +31,9 @@ from moshpitd.matchmaking.signing import (
     tls_binding_of,
 )
 from moshpitd.metrics import Metrics
+from moshpitd.nat.relay import RelayLimits
+from moshpitd.nat.service import Nat
+from moshpitd.nat.tunnel import Reserved
 from moshpitd.node_config import NodeConfig, ShuttingDown, format_hostport
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog
@@ -121,6 +124,13 @@ class MoshpitNode:
             if getattr(self.dht, "protocol", None) else 0)
         self.draining = False
         self._runner: RoundRunner | None = None
+        self.nat = Nat(config.reachability, self.dht, self.dht.identity, config.swarm_key,
+                       RelayLimits(reservations=config.relay_max_reservations,
+                                   rate=config.relay_rate * 1e6 / 8),
+                       config.relay, self._reached_at)
+        self.metrics.watch_nat(lambda: self.nat.state, lambda: self.nat.reserved is not None,
+                               _RelayStats(self.nat))
+        self._own = ("", "")  # our own gRPC and data endpoints, as we listen
         self.local = LocalGroups(self._average_view, lambda timeout: self.runner.clock(timeout),
                                  lambda key: key in self._active)
 
@@ -150,15 +160,49 @@ class MoshpitNode:
         self.grpc_endpoint = format_hostport(c.advertise_host or grpc_host, port)
         dport = await self.registry.start(grpc_host, c.data_port)
         self.data_endpoint = format_hostport(c.advertise_host or grpc_host, dport)
+        self._own = (self.grpc_endpoint, self.data_endpoint)
         self.states = StateStore(self.dht, self.peer_id, self.grpc_endpoint, hooks=self.hooks)
         self._runner = RoundRunner(c, Endpoints(self.peer_id, self.grpc_endpoint,
                                                 self.data_endpoint, self.auth),
                                    self.dht, self.pool, self.registry, self.hooks, self.metrics,
                                    self.log, self.liveness, lambda: self.draining)
         self._lag_task = asyncio.create_task(self._watch_loop_lag())
+        self.registry.relay = self.nat.on_relay_step
+        gate = self.server.gate
+        if gate is not None:
+            gate.on_reach = lambda nonce: self.nat.reached(nonce, "grpc")
+        self.nat.start(grpc_host, (self.dht_addr[1], port, dport),
+                       gate.serve if gate is not None else _no_gate, self.registry.accept)
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
             self._bootstrap_task = asyncio.create_task(self._keep_bootstrapped())
+        if c.reachability == "private":
+            self._set_endpoints(*self._own, unreachable=True)
+
+    def _reached_at(self, reserved: Reserved | None, observed: str) -> None:
+        """Where peers reach us changed (moshpitd/nat/service.py): through a relay's ports,
+        or our own (at the address the reachability check saw, unless the operator named one)."""
+        grpc, data = self._own
+        if reserved is not None:
+            grpc, data = reserved.grpc, reserved.data
+        elif observed and "advertise_host" not in self.config.sources and "," not in observed:
+            grpc = format_hostport(observed, int(grpc.rpartition(":")[2]))
+            data = format_hostport(observed, int(data.rpartition(":")[2]))
+        self._set_endpoints(grpc, data, unreachable=reserved is None and self.nat.state ==
+                            "private")
+
+    def _set_endpoints(self, grpc: str, data: str, unreachable: bool) -> None:
+        runner = self.runner
+        runner.unreachable = unreachable
+        if (grpc, data) == (self.grpc_endpoint, self.data_endpoint):
+            return
+        self.grpc_endpoint, self.data_endpoint = grpc, data
+        runner.me = replace(runner.me, grpc=grpc, data=data)
+        for run in runner.runs.values():
+            run.endpoint = grpc
+        if self.states is not None:
+            self.states.endpoint = grpc
+        log.info("peers reach us at %s (gRPC) and %s (data)", grpc, data)
 
     async def _watch_loop_lag(self) -> None:
         """Anything that blocks the event loop delays every peer's round: make it visible."""
@@ -213,6 +257,7 @@ class MoshpitNode:
         for task in (self._bootstrap_task, self._lag_task):
             if task is not None:
                 task.cancel()
+        await self.nat.close()
         await self.registry.stop()
         await self.liveness.close()
         await self.server.stop(STOP_GRACE)
@@ -226,6 +271,7 @@ class MoshpitNode:
             "grpc": self.grpc_endpoint,
             "data": self.data_endpoint,
             "dht_peers": self.dht.peer_count(),
+            "reachability": self.nat.status(),
             "rounds_done": self.log.done,
             "rounds_failed": self.log.failed,
             "draining": self.draining,
@@ -277,7 +323,9 @@ class MoshpitNode:
         task = asyncio.current_task()
         assert task is not None
         self._active[request.key] = task
-        try:  # NaN, Inf (and values fp16 would turn into Inf): reducers check every part they
+        try:
+            await self.nat.settled()
+            # NaN, Inf (and values fp16 would turn into Inf): reducers check every part they
             # receive, ButterflyRound our own span; a round spent alone checks everything
             return await self.runner.run(request, view)
         finally:
@@ -339,3 +387,21 @@ class MoshpitNode:
         async for response in mm.handle_join(request, binding, self.joins):
             yield response
 
+
+
+class _RelayStats:
+    """What /metrics reads of the relay, which exists once the node started."""
+
+    def __init__(self, nat: Nat) -> None:
+        self.nat = nat
+
+    def __getattr__(self, name: str) -> Any:
+        relay = self.nat.relay
+        if relay is None:
+            return {} if name == "refused" else 0
+        return getattr(relay, name)
+
+
+async def _no_gate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   address: str) -> None:
+    writer.close()

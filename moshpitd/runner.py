@@ -70,6 +70,7 @@ class RoundRunner:
                  liveness: Liveness, draining: Callable[[], bool]) -> None:
         self.config = config
         self.me = me
+        self.unreachable = False  # behind NAT with no relay yet: take part as a client
         self.dht = dht
         self.pool = pool
         self.registry = registry
@@ -200,6 +201,7 @@ class RoundRunner:
             self.rounds.record(key, n, 0, 0, start, assembled, "allreduce_failed", codec)
             raise
         outcome = "ok" if result.parts_averaged == result.parts else "partial"
+        self.metrics.reduced_bytes.inc(result.bytes_reduced)
         for i, m in enumerate(group.members):  # a member that sent its part lives, as a
             if result.excluded >> i & 1:  # probe would show; one we excluded must prove it again
                 self.liveness.unprove(m.peer_id)
@@ -221,8 +223,8 @@ class RoundRunner:
                                                self.checked),
             weight=weight, target_size=target, min_size=request.min_group_size,
             attempt_seconds=attempt, longest_attempt=clock.attempt_max, expected=expected,
-            codec=request.codec,
-            client_mode=self.config.client_mode, settle_seconds=self.settle.seconds,
+            codec=request.codec, client_mode=self.config.client_mode or self.unreachable,
+            settle_seconds=self.settle.seconds,
             rank_digests=request.rank_digests,
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure

@@ -76,6 +76,7 @@ class RoundResult:
     # bytes/s that members whose links held their streams to us back carried (the faster of
     # their results and their parts): what a leader caps declared rates by
     peer_rates: tuple[tuple[bytes, float], ...] = ()
+    bytes_reduced: int = 0  # of bytes_received, what members sent us as an owner
 
 
 class ButterflyRound:
@@ -100,6 +101,7 @@ class ButterflyRound:
         if sessions is not None:
             self.reducer.release = self._release
         self.rates = (0.0, 0.0)
+        self.reduced_in = 0
         self.peer_rates: dict[bytes, float] = {}
         # the round starts here: the data plane may hand it streams as soon as it is registered
         # (those that waited for the group), before `run`
@@ -167,6 +169,8 @@ class ButterflyRound:
             finally:
                 sent = received = 0
                 streams = [*sender.channels, *self._accepted]
+                self.reduced_in = sum(st.bytes_in for st in [  # as an owner: /metrics
+                    *(ch.stats() for ch in self._accepted), *self._released])
                 stats = [*(ch.stats() for ch in streams), *sender.finished, *self._released]
                 self.rates = link_rates(stats)
                 for st in stats:
@@ -249,4 +253,5 @@ class ButterflyRound:
                            seconds, self.reducer.excluded,
                            sum(p.numel for p in plan.my_parts),
                            dict(self.reducer.excluded_parts), self.rates,
-                           self.lied, self.unchecked, tuple(self.peer_rates.items()))
+                           self.lied, self.unchecked, tuple(self.peer_rates.items()),
+                           self.reduced_in)

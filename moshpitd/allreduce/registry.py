@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moshpitd.allreduce.butterfly import ButterflyRound
@@ -31,6 +32,7 @@ from moshpitd.transport.dataplane import (
     BUSY,
     HELLO,
     READY,
+    RELAY,
     Channel,
     DataPlaneError,
     FrameSink,
@@ -93,6 +95,8 @@ class _Hello:
             self._timer.cancel()
 
     def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        if kind == RELAY and self.registry.relay is not None:  # reservations, dial-backs
+            return None
         if kind != HELLO or length != self.registry.handshake.hello_length:
             self.registry.refused[REFUSED_HANDSHAKE] += 1
             if self.registry.handshake.swarm is not None:
@@ -104,6 +108,9 @@ class _Hello:
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         assert self.channel is not None and self.channel.transport is not None
         self._opened()
+        if kind == RELAY and self.registry.relay is not None:
+            self.registry.relay(self.channel, aux, bytes(payload))
+            return
         try:
             hello = self.registry.handshake.open_hello(payload, aux, part)
         except UnsealedHello as exc:
@@ -207,6 +214,8 @@ class RoundRegistry:
         # stops waiting for us instead of waiting stream_wait (insertion-ordered, bounded)
         self._finished: dict[bytes, None] = {}
         self.server: asyncio.Server | None = None
+        # who takes a connection that opens with a RELAY frame (moshpitd/nat/); None: refused
+        self.relay: Callable[[Channel, int, bytes], None] | None = None
         self.pool: SessionPool[Channel] = SessionPool()  # sessions we opened, idle
         self.idle: OrderedDict[_Resume, asyncio.TimerHandle] = OrderedDict()  # we accepted
         self.idle_seconds = ACCEPTED_IDLE_SECONDS
@@ -214,18 +223,19 @@ class RoundRegistry:
         # on a kept one, no connect and no handshake)
         self.streams: Counter[tuple[str, str]] = Counter()
 
-    async def start(self, host: str, port: int) -> int:
-        def accept() -> Channel:
-            if len(self.unopened) >= MAX_UNOPENED:  # idle connections: drop the oldest
-                next(iter(self.unopened)).drop("too many connections without a HELLO")
-                if len(self.unopened) >= MAX_UNOPENED:  # (not yet connected: cannot drop)
-                    return _Refused(None, 0)
-            hello = _Hello(self)
-            channel = Channel(hello, self.max_payload, self.congestion)
-            hello.channel = channel
-            return channel
+    def accept(self) -> Channel:
+        """The protocol of a connection to our data port (a relay's tunnel hands us some)."""
+        if len(self.unopened) >= MAX_UNOPENED:  # idle connections: drop the oldest
+            next(iter(self.unopened)).drop("too many connections without a HELLO")
+            if len(self.unopened) >= MAX_UNOPENED:  # (not yet connected: cannot drop)
+                return _Refused(None, 0)
+        hello = _Hello(self)
+        channel = Channel(hello, self.max_payload, self.congestion)
+        hello.channel = channel
+        return channel
 
-        self.server = await serve(host, port, accept)
+    async def start(self, host: str, port: int) -> int:
+        self.server = await serve(host, port, self.accept)
         return int(self.server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:

@@ -20,6 +20,7 @@ from kademlia.utils import digest
 from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
 from moshpitd.buckets import Bucket, lru_bucket
 from moshpitd.dht.answered import Answered
+from moshpitd.dht.clients import CLIENT_REQUEST, REPLY, REQUEST, NatRPCs, Outgoing, from_client
 from moshpitd.dht.records import Proof, RecordVerifier, remaining
 from moshpitd.dht.storage import StoredSub, SubkeyStorage
 
@@ -67,7 +68,7 @@ def _is_id(value: object) -> bool:
     return isinstance(value, bytes) and len(value) == ID_BYTES
 
 
-class SubkeyProtocol(KademliaProtocol):
+class SubkeyProtocol(NatRPCs, KademliaProtocol):
     storage: SubkeyStorage
 
     def __init__(
@@ -97,9 +98,9 @@ class SubkeyProtocol(KademliaProtocol):
 
     # --- datagram handling: never let a peer's bytes raise inside an unowned task ----------
     def connection_made(self, transport: Any) -> None:
-        # with a swarm key every datagram we send, request or reply, leaves sealed
-        super().connection_made(transport if self.auth is None
-                                else _SealingTransport(transport, self.auth))
+        # with a swarm key every datagram we send, request or reply, leaves sealed; a client's
+        # requests leave marked (dht/clients.py)
+        super().connection_made(Outgoing(transport, self.auth, self))
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self.auth is not None:
@@ -113,7 +114,7 @@ class SubkeyProtocol(KademliaProtocol):
         task.add_done_callback(_consume)
 
     async def _safe_solve(self, datagram: bytes, address: tuple[str, int]) -> None:
-        if len(datagram) < 22 or datagram[:1] not in (b"\x00", b"\x01"):
+        if len(datagram) < 22 or datagram[:1] not in (REQUEST, REPLY, CLIENT_REQUEST):
             self.malformed += 1
             return
         msg_id = datagram[1:21]
@@ -126,7 +127,7 @@ class SubkeyProtocol(KademliaProtocol):
             self.malformed += 1
             log.debug("undecodable datagram from %s", address)
             return
-        if datagram[:1] == b"\x01":
+        if datagram[:1] == REPLY:
             if msg_id in self._outstanding:
                 self._accept_response(msg_id, data, address)
             return
@@ -134,6 +135,7 @@ class SubkeyProtocol(KademliaProtocol):
             self.malformed += 1
             return
         name, args = data
+        from_client.set(datagram[:1] == CLIENT_REQUEST)  # this task's: never our contact
         if (isinstance(args, list | tuple) and args and args[0] == self.source_node.id
                 and msg_id not in self._outstanding):
             self._own_id_from(address, name)
@@ -332,7 +334,7 @@ class SubkeyProtocol(KademliaProtocol):
 
     def welcome_if_new(self, node: Node) -> None:
         """Hand a newcomer the subkey records it is now among the closest holders of."""
-        if node.id == self.source_node.id:  # ourselves, e.g. via a name that lists us too
+        if node.id == self.source_node.id or from_client.get():  # ourselves; a NATed client
             return
         if self.departed.get(bytes(node.id), 0.0) > time.monotonic():
             return
@@ -373,18 +375,6 @@ class SubkeyProtocol(KademliaProtocol):
                     )
                     task.add_done_callback(_consume)
         self.router.add_contact(node)
-
-
-class _SealingTransport:
-    def __init__(self, inner: Any, auth: SwarmKey) -> None:
-        self.inner = inner
-        self.auth = auth
-
-    def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.inner.sendto(self.auth.seal(b"dht", b"dht", data), addr)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

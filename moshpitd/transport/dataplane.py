@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<BBHIQQ")
 HELLO, PART, RESULT, ABORT, READY, CHECK = 1, 2, 3, 4, 5, 6
-KINDS = {HELLO, PART, RESULT, ABORT, READY, CHECK}
+RELAY = 7  # the first and only frame of a connection that is no stream (moshpitd/nat/wire.py)
+KINDS = {HELLO, PART, RESULT, ABORT, READY, CHECK, RELAY}
 MAX_CONTROL_PAYLOAD = 4096
 MAX_CHECK_PAYLOAD = 64 << 10  # a checked round's lists: 34 bytes a member, 1024 members at most
 BAD_VALUES = 1  # ABORT's aux: the part named in the frame was refused as data
@@ -52,7 +53,7 @@ BUSY = 3  # ABORT's aux: no room here for a stream of an unknown group now: open
 FRAME_SLACK = HEADER.size + TAG  # room a sink's buffer gives past a data frame's payload
 
 __all__ = ["ABORT", "BAD_VALUES", "BUSY", "CHECK", "FRAME_SLACK", "HEADER", "HELLO", "LEFT", "PART",
-           "READY", "RESULT", "Channel", "DataPlaneError", "FrameSink", "TamperedFrame",
+           "READY", "RELAY", "RESULT", "Channel", "DataPlaneError", "FrameSink", "TamperedFrame",
            "connect", "flush_aborts", "serve", "split_endpoint"]
 
 

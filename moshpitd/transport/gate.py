@@ -45,6 +45,7 @@ PER_ADDRESS = "per_address"  # `limit` labels of moshpitd_grpc_connections_refus
 TOTAL = "total"
 SILENT = "silent"  # closed: nothing within first_bytes
 STALLED = "stalled"  # closed: did not take our bytes within stall
+REACH_MAGIC = b"MOSHPIT-REACH/1\n"  # then a 16-byte nonce: a dial-back (moshpitd/nat/reach.py)
 PACED = "paced"  # not read from for a while: it sent past its bucket
 ACCEPT_RATE = "accept_rate"  # refused: its address opened connections past accept_rate
 
@@ -82,6 +83,7 @@ class Gate:
         self.clock, self.sleep = clock, sleep
         self.limits = limits
         self.on_refuse = on_refuse or (lambda why: None)
+        self.on_reach: Callable[[bytes], None] = lambda nonce: None
         self.open: Counter[str] = Counter()  # remote address -> connections
         self.refused: Counter[str] = Counter()
         self._origin: dict[int, _Conn] = {}  # our local port towards gRPC -> connection
@@ -142,7 +144,12 @@ class Gate:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        address = str(peer[0]) if peer else "?"
+        await self.serve(reader, writer, str(peer[0]) if peer else "?")
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    address: str) -> None:
+        """A connection from `address`: one we accepted, or one a relay's tunnel brought us
+        (its address then names the relay and the caller the relay saw)."""
         limits = self.limits
         accepts = lru_bucket(self._accepts, address,
                        lambda: Bucket(limits.accept_rate, limits.accept_burst, self.clock()))
@@ -180,6 +187,9 @@ class Gate:
             self._refuse(SILENT)
             return
         if not first:
+            return
+        if first.startswith(REACH_MAGIC):  # a peer checks that our port takes connections
+            self.on_reach(first[len(REACH_MAGIC):len(REACH_MAGIC) + 16])
             return
         up_reader, up_writer = await asyncio.open_connection(*self.target, limit=CHUNK)
         for w in (writer, up_writer):

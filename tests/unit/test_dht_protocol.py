@@ -248,7 +248,7 @@ def test_datagram_store_sub_gets_a_reply() -> None:
     [
         b"",
         b"\x00" * 21,  # too short for a body
-        b"\x02" + b"\x07" * 20 + umsgpack.packb(["ping", [PEER_ID]]),  # unknown kind
+        b"\x03" + b"\x07" * 20 + umsgpack.packb(["ping", [PEER_ID]]),  # unknown kind
         b"\x00" + b"\x07" * 20 + b"\xc1",  # undecodable
         b"\x00" + b"\x07" * 20 + umsgpack.packb({"ping": [PEER_ID]}),  # not a list
         b"\x00" + b"\x07" * 20 + umsgpack.packb(["ping"]),  # wrong length

@@ -1,0 +1,175 @@
+"""Is this daemon reachable? Found out by asking peers to dial it back (libp2p's AutoNAT).
+
+We ask a few DHT contacts (`reach`, a DHT request): each answers with the address it saw our
+request come from, then dials that address, on our own listen ports, from sockets it opens for
+the purpose: a datagram to our DHT port and a connection to each of our gRPC and data ports,
+each carrying the nonce we gave it. A reply to our own packets passes any NAT and proves
+nothing; these come from ports we never sent to, so only a host whose ports the world can open
+receives them. Public: one contact got through on all three ports. Private: contacts answered
+and none did. Unknown: nobody answered (or we know nobody yet).
+
+The dialer's side is bounded: it dials only the address the request came from (never one the
+request names), at most one dial-back per address at a time, and DIAL_RATE a second in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+
+from moshpitd.auth import SwarmKey
+from moshpitd.buckets import Bucket
+from moshpitd.nat import wire
+from moshpitd.transport.gate import REACH_MAGIC
+
+log = logging.getLogger(__name__)
+
+UNKNOWN, PUBLIC, PRIVATE = "unknown", "public", "private"
+KINDS = ("dht", "grpc", "data")
+DIALERS = 3  # contacts asked per check
+WAIT = 3.0  # s for dial-backs: a lost SYN is sent again after 1 s
+DIAL_TIMEOUT = 3.0
+DIAL_RATE, DIAL_BURST = 4.0, 16  # dial-backs a second, over all requesters
+MAX_DIALING = 16
+UDP_COPIES = 2  # a lost datagram must not make a public peer private
+NONCE = 16
+
+
+@dataclass
+class Verdict:
+    state: str = UNKNOWN
+    why: str = "not checked yet"
+    observed: str = ""  # the address peers saw us at
+    at: float = 0.0  # wall time of the check
+    reached: dict[str, int] = field(default_factory=dict)  # kind -> dialers that got through
+
+
+Ask = Callable[[object, bytes], Awaitable[tuple[str, int] | None]]
+
+
+class Reachability:
+    """Our side: checks, and the dial-backs that reach us."""
+
+    def __init__(self) -> None:
+        self.verdict = Verdict()
+        self._pending: dict[bytes, set[str]] = {}
+        self._heard = asyncio.Event()
+
+    def reached(self, nonce: bytes, kind: str) -> None:
+        seen = self._pending.get(bytes(nonce))
+        if seen is not None:
+            seen.add(kind)
+            self._heard.set()
+
+    async def check(self, contacts: Sequence[object], ask: Ask) -> Verdict:
+        """Ask up to DIALERS contacts to dial us back; the verdict (also kept)."""
+        nonces = {os.urandom(NONCE): c for c in contacts[:DIALERS]}
+        for nonce in nonces:
+            self._pending[nonce] = set()
+        try:
+            answers = await asyncio.gather(*(ask(c, n) for n, c in nonces.items()))
+            observed = sorted({a[0] for a in answers if a is not None})
+            answered = sum(a is not None for a in answers)
+            deadline = time.monotonic() + WAIT
+            while answered and not self._through(nonces) and time.monotonic() < deadline:
+                self._heard.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(deadline - time.monotonic()):
+                        await self._heard.wait()
+            reached = {k: sum(k in self._pending[n] for n in nonces) for k in KINDS}
+            through = self._through(nonces)
+        finally:
+            for nonce in nonces:
+                self._pending.pop(nonce, None)
+        where = ", ".join(observed) or "?"
+        if through:
+            verdict = Verdict(PUBLIC, f"{through} of {answered} peers dialled us back at "
+                              f"{where} on every port", where, time.time(), reached)
+        elif answered:
+            missing = [k for k in KINDS if not reached[k]]
+            verdict = Verdict(PRIVATE, f"{answered} peers saw us at {where}; none reached our "
+                              f"{'/'.join(missing)} port(s) there", where, time.time(), reached)
+        else:
+            verdict = Verdict(UNKNOWN, f"none of {len(nonces)} peers answered a reachability "
+                              "check", "", time.time(), reached)
+        self.verdict = verdict
+        return verdict
+
+    def _through(self, nonces: dict[bytes, object]) -> int:
+        return sum(self._pending[n] >= set(KINDS) for n in nonces)
+
+
+class DialBack:
+    """The dialer's side: dial a requester back, within bounds."""
+
+    def __init__(self, swarm: SwarmKey | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.swarm = swarm
+        self.clock = clock
+        self.bucket = Bucket(DIAL_RATE, DIAL_BURST, clock())
+        self.dialing: OrderedDict[str, asyncio.Task[None]] = OrderedDict()
+        self.refused = 0
+
+    def request(self, ip: str, nonce: bytes, ports: tuple[int, int, int]) -> bool:
+        """Dial `ip` (where the request came from) on (dht, grpc, data); False if refused."""
+        if (ip in self.dialing or len(self.dialing) >= MAX_DIALING
+                or not self.bucket.take(1, self.clock())):
+            self.refused += 1
+            return False
+        task = asyncio.ensure_future(self._dial(ip, nonce, ports))
+        self.dialing[ip] = task
+        task.add_done_callback(lambda t: self.dialing.pop(ip, None))
+        return True
+
+    async def _dial(self, ip: str, nonce: bytes, ports: tuple[int, int, int]) -> None:
+        dht, grpc, data = ports
+        await asyncio.gather(self._datagram(ip, dht, nonce),
+                             self._connect(ip, grpc, REACH_MAGIC + nonce),
+                             self._connect(ip, data, wire.frame(self.swarm, wire.REACH, nonce)),
+                             return_exceptions=True)
+
+    async def _datagram(self, ip: str, port: int, nonce: bytes) -> None:
+        request = b"\x00" + os.urandom(20) + msgpack.packb(["reached", [nonce]])
+        if self.swarm is not None:
+            request = self.swarm.seal(b"dht", b"dht", request)
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:  # a port of its own
+            sock.setblocking(False)
+            for copy in range(UDP_COPIES):
+                with contextlib.suppress(OSError):
+                    sock.sendto(request, (ip, port))
+                if copy + 1 < UDP_COPIES:
+                    await asyncio.sleep(0.2)
+
+    async def _connect(self, ip: str, port: int, first: bytes) -> None:
+        async with asyncio.timeout(DIAL_TIMEOUT):
+            _, writer = await asyncio.open_connection(ip, port)
+        try:
+            writer.write(first)
+            async with asyncio.timeout(DIAL_TIMEOUT):
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        for task in list(self.dialing.values()):
+            task.cancel()
+        await asyncio.gather(*self.dialing.values(), return_exceptions=True)
+
+
+def nonce_of(payload: bytes, swarm: SwarmKey | None) -> bytes | None:
+    """The nonce of a REACH step on our data port, or None if it is no valid one."""
+    try:
+        nonce = wire.parse(swarm, wire.REACH, payload)
+    except wire.RelayError:
+        return None
+    return nonce if isinstance(nonce, bytes) and len(nonce) == NONCE else None

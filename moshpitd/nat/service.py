@@ -1,0 +1,233 @@
+"""A daemon's NAT life: find out whether it is reachable, relay for others when it is, be
+relayed when it is not.
+
+`Nat.run` checks reachability (moshpitd/nat/reach.py) once the DHT has contacts, again every
+RECHECK, and sooner while the answer is unknown. On "private" it becomes a DHT client
+(dht/clients.py) and keeps a reservation at the fastest public peer that offers one
+(moshpitd/nat/tunnel.py), advertising the relay's ports as its own; until it holds one, it takes
+part in rounds as a client (it contributes and receives, reduces nothing). On "public" it
+relays for others, unless its operator said not to (moshpitd/nat/relay.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from kademlia.node import Node
+
+from moshpitd.auth import SwarmKey
+from moshpitd.dht.network import DHTNode
+from moshpitd.identity import PeerKey
+from moshpitd.nat import wire
+from moshpitd.nat.reach import PRIVATE, PUBLIC, UNKNOWN, DialBack, Reachability, Verdict, nonce_of
+from moshpitd.nat.relay import RelayLimits, RelayServer, status
+from moshpitd.nat.tunnel import GateServe, Offer, Reserved, Tunnel
+from moshpitd.transport.dataplane import Channel
+
+log = logging.getLogger(__name__)
+
+RECHECK = 600.0  # s between checks once known (and whenever a relay is lost)
+RETRY_FIRST, RETRY_MAX = 1.0, 30.0  # s between checks while unknown
+OFFERS_ASKED = 8  # contacts asked for a relay at once
+FAILED_FOR = 30.0  # s a relay that failed us is not asked again
+NO_RELAY_WAIT = 2.0  # s before asking again when nobody offers
+SETTLE_MAX = 6.0  # s a round waits for a first check in flight
+
+
+class Nat:
+    def __init__(self, mode: str, dht: DHTNode, key: PeerKey, swarm: SwarmKey | None,
+                 relay_limits: RelayLimits, relaying: bool,
+                 on_endpoints: Callable[[Reserved | None, str], None]) -> None:
+        """`on_endpoints(reserved, observed)`: where peers reach us changed (a relay's ports,
+        or None: our own, at `observed` if the check found us there)."""
+        self.mode, self.dht, self.key, self.swarm = mode, dht, key, swarm
+        self.on_endpoints = on_endpoints
+        self.reach = Reachability()
+        self.dialer = DialBack(swarm)
+        self.relaying = relaying
+        self.relay: RelayServer | None = None
+        self.relay_limits = relay_limits
+        self.ports = (0, 0, 0)  # dht, grpc, data
+        self.reserved: Reserved | None = None
+        self.checking = asyncio.Event()  # set while no first check is in flight
+        self.checking.set()
+        self._gate: GateServe | None = None
+        self._data: Callable[[], Channel] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._relayed: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def state(self) -> str:
+        return self.reach.verdict.state
+
+    def start(self, host: str, ports: tuple[int, int, int], gate: GateServe,
+              data: Callable[[], Channel]) -> None:
+        self.ports, self._gate, self._data = ports, gate, data
+        self.relay = RelayServer(host, self.dht.peer_id, self.swarm, self.relay_limits,
+                                 lambda: self.relaying and self.state == PUBLIC)
+        self.dht.protocol.nat = self
+        self._task = asyncio.ensure_future(self._run())
+
+    # --- the DHT's NAT requests (dht/clients.py) and the data port's relay steps -------------
+    def dial_back(self, ip: str, nonce: bytes, ports: tuple[int, int, int]) -> bool:
+        return self.dialer.request(ip, nonce, ports)
+
+    def reached(self, nonce: bytes, kind: str) -> None:
+        self.reach.reached(nonce, kind)
+
+    def relay_port(self) -> int | None:
+        return self.ports[2] if self.relaying and self.state == PUBLIC else None
+
+    def on_relay_step(self, channel: Channel, op: int, payload: bytes) -> None:
+        """The first frame of a connection to our data port was a RELAY step."""
+        if op == wire.RESERVE and self.relay is not None:
+            self.relay.reserve(channel, payload)
+        elif op == wire.ACCEPT and self.relay is not None:
+            self.relay.accept(channel, payload)
+        else:
+            nonce = nonce_of(payload, self.swarm) if op == wire.REACH else None
+            if nonce is not None:
+                self.reached(nonce, "data")
+            channel.abort("not a stream")
+
+    # --- checking ---------------------------------------------------------------------------
+    async def settled(self) -> None:
+        """Wait (boundedly) for a check in flight, so a round does not advertise an address
+        a moment before we learn nobody can reach it."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SETTLE_MAX):
+                await self.checking.wait()
+
+    async def _run(self) -> None:
+        if self.mode != "auto":
+            self._apply(Verdict(self.mode, "set by the reachability option", "", time.time()))
+            return
+        retry = RETRY_FIRST
+        while True:
+            contacts = self.dht.contacts()
+            if contacts:
+                self.checking.clear()
+                try:
+                    verdict = await self.reach.check(random.sample(contacts, len(contacts)),
+                                                     self._ask)
+                finally:
+                    self.checking.set()
+                self._apply(verdict)
+            if self.state == UNKNOWN:
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, RETRY_MAX)
+            else:
+                await asyncio.sleep(RECHECK)
+
+    async def _ask(self, node: object, nonce: bytes) -> tuple[str, int] | None:
+        assert isinstance(node, Node)
+        proto = self.dht.protocol
+        ok, answer = await proto.reach((node.ip, node.port), proto.source_node.id, nonce,
+                                       *self.ports)
+        if ok and isinstance(answer, list) and len(answer) == 2 and isinstance(answer[0], str):
+            return answer[0], int(answer[1])
+        return None
+
+    def _apply(self, verdict: Verdict) -> None:
+        was = self.state
+        self.reach.verdict = verdict
+        if verdict.state != was:
+            (log.warning if verdict.state == PRIVATE else log.info)(
+                "reachability: %s (%s)", verdict.state, verdict.why)
+        proto = self.dht.protocol
+        if verdict.state == PRIVATE:
+            if not proto.client:
+                proto.client = True  # in nobody's table from now: tell our contacts
+                self._spawn(self.dht.say_goodbye())
+            if self._relayed is None or self._relayed.done():
+                self._relayed = asyncio.ensure_future(self._keep_relayed())
+        elif verdict.state == PUBLIC:
+            if proto.client:
+                proto.client = False
+                self._spawn(self.dht.bootstrap([(n.ip, n.port) for n in self.dht.contacts()]))
+            if self._relayed is not None:
+                self._relayed.cancel()
+                self._relayed = None
+            self.reserved = None
+            self.on_endpoints(None, verdict.observed)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- being relayed ----------------------------------------------------------------------
+    async def _offers(self, failed: dict[bytes, float]) -> list[Offer]:
+        now = time.monotonic()
+        nodes = [n for n in self.dht.contacts() if failed.get(bytes(n.id), 0.0) < now]
+        random.shuffle(nodes)
+        proto = self.dht.protocol
+
+        async def ask(node: Node) -> Offer | None:
+            start = time.monotonic()
+            ok, port = await proto.relay((node.ip, node.port), proto.source_node.id)
+            if ok and isinstance(port, int) and 0 < port < 65536:
+                return Offer(bytes(node.id), node.ip, port, time.monotonic() - start)
+            return None
+
+        answers = await asyncio.gather(*(ask(n) for n in nodes[:OFFERS_ASKED]))
+        return sorted((a for a in answers if a is not None), key=lambda o: o.rtt)
+
+    async def _keep_relayed(self) -> None:
+        assert self._gate is not None and self._data is not None
+        failed: dict[bytes, float] = {}
+        while True:
+            offers = await self._offers(failed)
+            if not offers:
+                log.warning("reachability: private, and no public peer offers to relay: "
+                            "taking part as a client")
+                await asyncio.sleep(NO_RELAY_WAIT)
+                continue
+            for offer in offers:
+                tunnel = Tunnel(self.key, self.swarm, offer, self._gate, self._data)
+                try:
+                    reserved, reader, writer = await tunnel.reserve()
+                except (OSError, TimeoutError, asyncio.IncompleteReadError,
+                        wire.RelayError) as exc:
+                    log.info("relay %s:%d: no reservation (%s)", offer.host, offer.data_port,
+                             exc)
+                    failed[offer.peer_id] = time.monotonic() + FAILED_FOR
+                    continue
+                self.reserved = reserved
+                log.info("relayed through %s (round trip %.1f ms): peers reach us at %s and %s",
+                         offer.host, offer.rtt * 1e3, reserved.grpc, reserved.data)
+                self.on_endpoints(reserved, "")
+                try:
+                    why = await tunnel.hold(reader, writer)
+                finally:
+                    self.reserved = None
+                    self.on_endpoints(None, "")
+                    await tunnel.close()
+                log.warning("relay %s lost (%s): finding another", offer.host, why)
+                failed[offer.peer_id] = time.monotonic() + FAILED_FOR
+                break
+
+    def status(self) -> dict[str, Any]:
+        v = self.reach.verdict
+        return {"state": v.state, "why": v.why, "observed": v.observed,
+                "checked_at": v.at, "mode": self.mode,
+                "relayed_by": None if self.reserved is None else {
+                    "peer_id": self.reserved.relay.peer_id.hex(),
+                    "grpc": self.reserved.grpc, "data": self.reserved.data,
+                    "rtt_ms": round(self.reserved.relay.rtt * 1e3, 2)},
+                "relaying": status(self.relay) if self.relay is not None else None}
+
+    async def close(self) -> None:
+        for task in (self._task, self._relayed):
+            if task is not None:
+                task.cancel()
+        await self.dialer.close()
+        if self.relay is not None:
+            await self.relay.close()

@@ -1,0 +1,188 @@
+"""The relay's pieces on loopback in one process: a reservation, callers spliced to the private
+peer's connections in both directions, the bounds, and a relay that goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from moshpitd.auth import SwarmKey
+from moshpitd.identity import PeerKey
+from moshpitd.nat import wire
+from moshpitd.nat.relay import RelayLimits, RelayServer
+from moshpitd.nat.tunnel import Offer, Tunnel
+from moshpitd.transport.dataplane import RELAY, Channel
+
+
+class _Port:
+    """A data port that hands RELAY steps to the relay, as the registry does."""
+
+    def __init__(self, relay: RelayServer) -> None:
+        self.relay = relay
+        self.channel: Channel | None = None
+
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        assert kind == RELAY
+        return None
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        assert self.channel is not None
+        if aux == wire.RESERVE:
+            self.relay.reserve(self.channel, bytes(payload))
+        elif aux == wire.ACCEPT:
+            self.relay.accept(self.channel, bytes(payload))
+
+    def on_close(self, exc: BaseException | None) -> None:
+        pass
+
+
+async def _relay_port(relay: RelayServer) -> asyncio.Server:
+    def accept() -> Channel:
+        port = _Port(relay)
+        port.channel = Channel(port)
+        return port.channel
+    return await asyncio.get_running_loop().create_server(accept, "127.0.0.1", 0)
+
+
+class _Echo(asyncio.Protocol):
+    """The private peer's 'data plane': sends back what it gets, upper-cased."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(data.upper())  # type: ignore[attr-defined]
+
+
+async def _gate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, origin: str) -> None:
+    writer.write(f"gate sees {origin}\n".encode())
+    await writer.drain()
+    writer.close()
+
+
+LOOPS = ["asyncio", *(["uvloop"] if importlib.util.find_spec("uvloop") else [])]
+
+
+def run(coro: Coroutine[Any, Any, None], loop: str) -> None:
+    """On the stock loop and on uvloop (what the daemon runs): splicing swaps a transport's
+    protocol, which each loop implements on its own."""
+    if loop == "uvloop":
+        import uvloop
+        uvloop.run(asyncio.wait_for(coro, 30))
+    else:
+        asyncio.run(asyncio.wait_for(coro, 30))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("swarm", [None, SwarmKey(os.urandom(32))])
+def test_callers_reach_the_private_peer_through_its_reservation(
+        swarm: SwarmKey | None, loop: str) -> None:
+    run(_callers_reach(swarm), loop)
+
+
+async def _callers_reach(swarm: SwarmKey | None) -> None:
+    relay_key = PeerKey.generate()
+    relay = RelayServer("127.0.0.1", relay_key.peer_id, swarm, RelayLimits(), lambda: True)
+    server = await _relay_port(relay)
+    port = server.sockets[0].getsockname()[1]
+    tunnel = Tunnel(PeerKey.generate(), swarm, Offer(relay_key.peer_id, "127.0.0.1", port, 0.0),
+                    _gate, _Echo)  # type: ignore[arg-type]
+    reserved, reader, writer = await tunnel.reserve()
+    held = asyncio.ensure_future(tunnel.hold(reader, writer))
+    try:
+        host, dport = reserved.data.rsplit(":", 1)
+        r, w = await asyncio.open_connection(host, int(dport))
+        blob = os.urandom(3 << 20).hex().encode()  # 6 MiB through the splice and back
+        w.write(blob)
+        got = await asyncio.wait_for(r.readexactly(len(blob)), 10)
+        assert got == blob.upper()
+        host, gport = reserved.grpc.rsplit(":", 1)
+        r2, w2 = await asyncio.open_connection(host, int(gport))
+        w2.write(b"x")
+        assert (await asyncio.wait_for(r2.readline(), 5)).startswith(b"gate sees relayed:127.")
+        assert relay.reservations == 1 and relay.connections == 2
+        assert relay.bytes >= 2 * len(blob)
+        w.close()
+    finally:
+        held.cancel()
+        await tunnel.close()
+        await relay.close()
+        server.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_reservation_without_the_swarm_key_is_refused(loop: str) -> None:
+    run(_a_reservation_without_the_swarm_key_is_refused(), loop)
+
+
+async def _a_reservation_without_the_swarm_key_is_refused() -> None:
+    relay_key = PeerKey.generate()
+    relay = RelayServer("127.0.0.1", relay_key.peer_id, SwarmKey(os.urandom(32)), RelayLimits(),
+                        lambda: True)
+    server = await _relay_port(relay)
+    port = server.sockets[0].getsockname()[1]
+    tunnel = Tunnel(PeerKey.generate(), SwarmKey(os.urandom(32)),
+                    Offer(relay_key.peer_id, "127.0.0.1", port, 0.0), _gate, _Echo)  # type: ignore[arg-type]
+    with pytest.raises((wire.RelayError, asyncio.IncompleteReadError)):
+        await tunnel.reserve()
+    assert relay.reservations == 0 and relay.refused["malformed"] == 1
+    await relay.close()
+    server.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_full_relay_refuses_and_an_unwilling_one_too(loop: str) -> None:
+    run(_a_full_relay_refuses_and_an_unwilling_one_too(), loop)
+
+
+async def _a_full_relay_refuses_and_an_unwilling_one_too() -> None:
+    relay_key = PeerKey.generate()
+    willing = True
+    relay = RelayServer("127.0.0.1", relay_key.peer_id, None, RelayLimits(reservations=1),
+                        lambda: willing)
+    server = await _relay_port(relay)
+    port = server.sockets[0].getsockname()[1]
+    offer = Offer(relay_key.peer_id, "127.0.0.1", port, 0.0)
+    first = Tunnel(PeerKey.generate(), None, offer, _gate, _Echo)  # type: ignore[arg-type]
+    _, _, w1 = await first.reserve()
+    with pytest.raises(wire.RelayError, match="full"):
+        await Tunnel(PeerKey.generate(), None, offer, _gate, _Echo).reserve()  # type: ignore[arg-type]
+    w1.close()
+    await asyncio.wait_for(_until(lambda: relay.reservations == 0), 5)
+    willing = False
+    with pytest.raises(wire.RelayError, match="does not relay"):
+        await Tunnel(PeerKey.generate(), None, offer, _gate, _Echo).reserve()  # type: ignore[arg-type]
+    assert relay.refused["full"] == 1 and relay.refused["unwilling"] == 1
+    await relay.close()
+    server.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_private_peer_hears_at_once_that_its_relay_went(loop: str) -> None:
+    run(_the_private_peer_hears_at_once_that_its_relay_went(), loop)
+
+
+async def _the_private_peer_hears_at_once_that_its_relay_went() -> None:
+    relay_key = PeerKey.generate()
+    relay = RelayServer("127.0.0.1", relay_key.peer_id, None, RelayLimits(), lambda: True)
+    server = await _relay_port(relay)
+    port = server.sockets[0].getsockname()[1]
+    tunnel = Tunnel(PeerKey.generate(), None, Offer(relay_key.peer_id, "127.0.0.1", port, 0.0),
+                    _gate, _Echo)  # type: ignore[arg-type]
+    _, reader, writer = await tunnel.reserve()
+    held = asyncio.ensure_future(tunnel.hold(reader, writer))
+    await relay.close()
+    why = await asyncio.wait_for(held, 3)
+    assert "closed" in why
+    server.close()
+
+
+async def _until(cond: object) -> None:
+    assert callable(cond)
+    while not cond():
+        await asyncio.sleep(0.01)
