@@ -1,8 +1,12 @@
 """`python -m bench.allreduce --netns SPEC`: moshpit, gloo and hivemind on the same emulated links.
 
 SPEC lists the hosts' rates (Mbit/s, both directions; `4x100` is four hosts at 100), then
-optional `rtt=MS` (round trip added between any two hosts) and `loss=PCT` (of the packets each
-host receives): `200,200,20,20` or `4x100,rtt=50,loss=1`. The hosts are network namespaces on
+optional `rtt=MS` (round trip added between any two hosts), `loss=PCT` (of the packets each
+host receives) and `nat=N` (the last N hosts sit behind NAT routers, netlab/nat.py, alternately
+port-preserving and random-port; moshpit's daemons there find themselves private and are
+reached through relays at the public ones; gloo and hivemind's averager need every rank to
+accept connections, so they do not run): `200,200,20,20`, `4x100,rtt=50,loss=1` or
+`4x100,nat=2`. The hosts are network namespaces on
 one bridge (netlab): tbf caps each link, nftables drops the loss, the delayer adds the delay.
 
 Each host runs, one system after the other on the same topology: a moshpit daemon with a swarm
@@ -57,8 +61,8 @@ def parse_spec(text: str) -> list[LinkSpec]:
                 rtt_ms = number
             elif key == "loss":
                 loss = number
-            else:
-                raise ValueError(f"unknown {key!r} in {text!r}: expected rtt= or loss=")
+            elif key != "nat":
+                raise ValueError(f"unknown {key!r} in {text!r}: expected rtt=, loss= or nat=")
             continue
         m = re.fullmatch(r"(\d+)x(.+)", token)
         count, rate = (int(m.group(1)), m.group(2)) if m else (1, token)
@@ -66,6 +70,15 @@ def parse_spec(text: str) -> list[LinkSpec]:
     if len(rates) < 2:
         raise ValueError(f"{text!r}: give at least two hosts' rates, e.g. 4x100 or 200,20")
     return [LinkSpec(r, rtt_ms / 2000, loss) for r in rates]
+
+
+def nat_kinds(text: str, hosts: int) -> list[str | None]:
+    """Each host's NAT (None: public) from SPEC's `nat=N`: the last N, alternating kinds."""
+    m = re.search(r"(?:^|,)\s*nat=(\d+)", text)
+    n = int(m.group(1)) if m else 0
+    if not 0 <= n < hosts:
+        raise ValueError(f"nat={n}: at least the first host must be public (it bootstraps)")
+    return [None] * (hosts - n) + [("preserve", "random")[i % 2] for i in range(n)]
 
 
 def bounds(links: list[LinkSpec], nbytes: int) -> dict[str, float]:
@@ -283,6 +296,9 @@ def report(out: dict[str, Any]) -> None:
           f"timed rounds; load average {out['load_before']} before, {out['load_after']} after")
     if out.get("rtt_ms"):
         print(f"round trips through the delayer (median ms): {out['rtt_ms']}")
+    if any(out.get("nat", [])):
+        print(f"behind NAT: {out['nat']}; gloo and hivemind cannot run there (every rank must "
+              "accept connections), moshpit's private hosts are reached through relays")
     b = out["bounds"]
     print(f"bound (min-makespan of the span model) {b['optimum_s']:.3f} s; with moshpit's "
           f"share cap {b['optimum_capped_s']:.3f} s; equal spans {b['equal_s']:.3f} s\n")
@@ -302,6 +318,7 @@ def report(out: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         links = parse_spec(args.netns)
+        nats = nat_kinds(args.netns, len(links))
     except ValueError as exc:
         print(f"bench.allreduce: --netns: {exc}", file=sys.stderr)
         return 2
@@ -320,12 +337,15 @@ def main(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-netns-"))
     results: list[Result] = []
     try:
-        with Topology(len(links), workdir, links=links) as topo:
+        with Topology(len(links), workdir, links=links, nat=nats) as topo:
             _log(f"{len(links)} hosts up")
             rtt = ([topo.ping(topo.hosts[0], topo.hosts[1])]
                    if topo.hosts[1].link.delay_s > 0 else [])
             for system in systems:
                 _log(f"{system} on {args.netns}")
+                if any(nats) and system in ("gloo", "hivemind"):
+                    _log(f"{system}: not run: behind NAT, its ranks cannot accept connections")
+                    continue
                 if system == "gloo":
                     results.append(run_gloo(topo, args))
                 elif system == "hivemind":
@@ -337,7 +357,8 @@ def main(args: argparse.Namespace) -> int:
         return 1
     gloo = next((statistics.median(r.seconds) for r in results
                  if r.system == "gloo" and r.seconds), None)
-    out = {"spec": args.netns, "hosts": len(links), "elems": args.elems, "warmup": args.warmup,
+    out = {"spec": args.netns, "hosts": len(links), "nat": nats, "elems": args.elems,
+           "warmup": args.warmup,
            "repeat": args.repeat, "bounds": b, "rtt_ms": rtt,
            "load_before": [round(x, 2) for x in load_before],
            "load_after": [round(x, 2) for x in os.getloadavg()],

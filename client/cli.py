@@ -26,6 +26,15 @@ def show_status(reply: dict[str, Any]) -> None:
     print(f"ipc          {reply.get('ipc')}")
     print(f"metrics      {reply.get('metrics')}")
     print(f"dht peers    {st['dht_peers']}")
+    reach = st.get("reachability")
+    if isinstance(reach, dict):  # older daemons say nothing of it
+        print(f"reachable    {reach['state']}: {reach['why']}")
+        by = reach.get("relayed_by")
+        if by:
+            print(f"relayed by   {by['peer_id'][:16]} (gRPC {by['grpc']}, data {by['data']})")
+        relaying = reach.get("relaying") or {}
+        if relaying.get("reservations"):
+            print(f"relaying for {relaying['reservations']} private peer(s)")
     print(f"rounds done  {st['rounds_done']} ({st['rounds_failed']} failed)")
     if st.get("draining"):
         print("state        draining (shutting down)")

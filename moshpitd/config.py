@@ -129,17 +129,14 @@ class Settings:
         "average")
     reachability: str = option(
         Choice(("auto", "public", "private")), "auto", AVERAGING,
-        "auto: the daemon asks a few peers to dial it back on its ports and finds out whether "
-        "it is public or behind NAT; public or private: take that without asking",
-        note="A private daemon is a DHT client (in nobody's routing table), keeps a reservation "
-        "at a public peer that relays for it, and advertises the relay's ports: it still owns "
-        "spans and leads. Until it holds a reservation it takes part as in client_mode. "
-        "`moshpit status`, /metrics (moshpitd_reachability) and the log say which, and why.")
-    relay: bool = option(
-        BOOL, True, AVERAGING,
-        "relay for private peers when this daemon is public",
-        note="A relay splices connections without reading them: data-plane frames are signed "
-        "and, with a swarm key or TLS, encrypted end to end (docs/security-identity.md).")
+        "auto: find out, by asking peers to dial this daemon back, whether it is public or "
+        "behind NAT; public or private: take that without asking",
+        note="A private daemon is a DHT client, keeps a reservation at a public peer that "
+        "relays for it and advertises the relay's ports: it still owns spans and leads (until "
+        "it holds a reservation, it takes part as in client_mode). `moshpit status` and /metrics "
+        "say which, and why.")
+    relay: bool = option(BOOL, True, AVERAGING, "relay for private peers when this daemon is "
+                         "public (what a relay sees: docs/security-identity.md)")
     matchmaking_attempt_timeout: float = option(
         Float(0.1, 600.0, unit="s"), 5.0, AVERAGING,
         "upper bound on one matchmaking attempt, within the request's own timeout",
@@ -298,13 +295,11 @@ class Settings:
     max_parts_in_flight: int = option(
         Int(1, 1 << 16), 64, LIMITS,
         "parts a sender streams to a reducer before that reducer has answered them")
-
     relay_max_reservations: int = option(
         Int(0, 4096), 16, LIMITS, "private peers this daemon relays for at once")
     relay_rate: float = option(
-        Float(0.0, 1e6, unit="Mbit/s"), 100.0, LIMITS,
-        "what one private peer's relayed connections may move through this daemon, both "
-        "directions together; 0: no bound")
+        Float(0.0, 1e6, unit="Mbit/s"), 100.0, LIMITS, "what one private peer's relayed "
+        "connections may move through this daemon, both ways together; 0: no bound")
 
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 

@@ -15,6 +15,8 @@ from round ROUND on: the lying owner of checked reductions), die-mid-serve (a st
 exits after sending part of a range to a joiner; ROUND is ignored), hang-listener (the whole
 daemon hangs, its event loop blocked like a stopped host, as the first round in which it has
 weight 0 starts; ROUND is ignored),
+tamper-relay (a relay flips a bit in every relayed data-plane chunk once TAMPER_AFTER bytes
+went through it, past the streams' handshakes; ROUND is ignored),
 tamper-group (a leader alters each group it sends its followers, in turn: TAMPERINGS; ROUND is
 ignored; the marker names the latest). The crashes, and stall-send's marker, wait until every
 other member's stream reached us (`sender_accepted`): the fault then surely lands mid-round for
@@ -37,10 +39,11 @@ from moshpitd.hooks import Hooks
 KINDS = {"crash-before-send", "crash-mid-send", "stall-send", "slow-send", "trickle-send",
          "crash-while-reducing", "stall-reduce", "poison-results", "lie-results",
          "die-mid-serve",
-         "hang-listener", "tamper-group"}
+         "hang-listener", "tamper-group", "tamper-relay"}
 STALL_SECONDS = 3600.0
 SLOW_SECONDS = 1.5
 TRICKLE_SECONDS = 0.3
+TAMPER_AFTER = 64 << 10
 
 
 # What tamper-group does to the groups it leads, in turn: another codec than the one asked for;
@@ -81,6 +84,7 @@ class FaultPlan(Hooks):
     senders: int = 0  # members that stream parts to us this round
     accepted: int = 0  # of them, streams that reached us
     reducing: bool = False  # crash-while-reducing: a contribution arrived
+    relayed_bytes: int = 0  # tamper-relay: data-plane bytes relayed so far
     engaged: asyncio.Event = field(default_factory=asyncio.Event)
     led: int = 0  # groups led so far (tamper-group)
 
@@ -178,6 +182,15 @@ class FaultPlan(Hooks):
         if self.kind == "die-mid-serve" and chunks_sent == 2:
             await asyncio.sleep(0.5)
             self._crash()
+
+    def relayed(self, data: bytes) -> bytes:
+        if self.kind != "tamper-relay":
+            return data
+        self.relayed_bytes += len(data)
+        if self.relayed_bytes < TAMPER_AFTER:
+            return data
+        self._fire()
+        return data[:-1] + bytes([data[-1] ^ 1])
 
     def leading(self, group: Group) -> Group:
         if self.kind != "tamper-group":

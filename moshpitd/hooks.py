@@ -39,6 +39,10 @@ class Hooks:
     async def serving_state(self, chunks_sent: int) -> None:
         """A donor streams a range of its state, `chunks_sent` chunks in."""
 
+    def relayed(self, data: bytes) -> bytes:
+        """A relay passes data-plane bytes between two peers; returns what it passes on."""
+        return data
+
     def leading(self, group: Group) -> Group:
         """A leader assembled `group`; returns the group it sends its followers."""
         return group

@@ -127,9 +127,10 @@ class MoshpitNode:
         self.nat = Nat(config.reachability, self.dht, self.dht.identity, config.swarm_key,
                        RelayLimits(reservations=config.relay_max_reservations,
                                    rate=config.relay_rate * 1e6 / 8),
-                       config.relay, self._reached_at)
+                       config.relay, self._reached_at,
+                       None if hooks is NO_HOOKS else hooks.relayed)
         self.metrics.watch_nat(lambda: self.nat.state, lambda: self.nat.reserved is not None,
-                               _RelayStats(self.nat))
+                               self.nat.relay)
         self._own = ("", "")  # our own gRPC and data endpoints, as we listen
         self.local = LocalGroups(self._average_view, lambda timeout: self.runner.clock(timeout),
                                  lambda key: key in self._active)
@@ -387,19 +388,6 @@ class MoshpitNode:
         async for response in mm.handle_join(request, binding, self.joins):
             yield response
 
-
-
-class _RelayStats:
-    """What /metrics reads of the relay, which exists once the node started."""
-
-    def __init__(self, nat: Nat) -> None:
-        self.nat = nat
-
-    def __getattr__(self, name: str) -> Any:
-        relay = self.nat.relay
-        if relay is None:
-            return {} if name == "refused" else 0
-        return getattr(relay, name)
 
 
 async def _no_gate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,

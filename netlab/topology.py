@@ -20,6 +20,7 @@ from typing import IO, TYPE_CHECKING
 from netlab.cgroup import CpuGroup, cgroup_problem
 from netlab.delayer import ECHO_PORT, PROXY_PORT
 from netlab.links import HOST_IFACE, LinkSpec, NetnsError, nft_rules, parse_rate, run, shape
+from netlab.nat import LAN_IFACE, behind_router
 
 if TYPE_CHECKING:
     from moshpitd.launcher import DaemonProcess
@@ -49,6 +50,9 @@ class Host:
     ip: str
     port: str  # the switch-side veth
     link: LinkSpec = field(default_factory=LinkSpec)
+    nat: str | None = None  # None: on the switch; "preserve" or "random": behind a router
+    public_ip: str = ""  # the address the world sees: its own, or its router's
+    router: str = ""  # the router's namespace, when behind NAT
     delayer: subprocess.Popen[bytes] | None = None
     anchor: subprocess.Popen[bytes] | None = None  # a sleeper whose /proc shows the ns counters
     cgroup: CpuGroup | None = None
@@ -63,7 +67,9 @@ class Topology:
     (namespaces, and with them veths, bridge, qdiscs and nft tables; cgroups; helpers).
 
     Every host gets `rate`/`delay`/`loss_pct` unless `links` gives one LinkSpec per host.
-    With `cpu_cores` set, each host gets a CPU cgroup with that quota (see netlab.cgroup)."""
+    With `cpu_cores` set, each host gets a CPU cgroup with that quota (see netlab.cgroup).
+    `nat` gives each host None (on the switch, public) or a NAT kind (netlab.nat.NAT_KINDS):
+    the host then sits behind a router namespace of its own, which masquerades it."""
 
     hosts_count: int
     workdir: Path
@@ -73,6 +79,7 @@ class Topology:
     links: Sequence[LinkSpec] | None = None
     cpu_cores: float | None = None
     use_cgroups: bool = False
+    nat: Sequence[str | None] | None = None
     tag: str = field(default_factory=lambda: "mpn" + secrets.token_hex(3))
     hosts: list[Host] = field(default_factory=list)
     daemons: list[DaemonProcess] = field(default_factory=list)
@@ -81,6 +88,8 @@ class Topology:
     def __post_init__(self) -> None:
         if self.links is not None and len(self.links) != self.hosts_count:
             raise ValueError(f"{len(self.links)} links for {self.hosts_count} hosts")
+        if self.nat is not None and len(self.nat) != self.hosts_count:
+            raise ValueError(f"{len(self.nat)} NAT kinds for {self.hosts_count} hosts")
         if self.cpu_cores is not None:
             self.use_cgroups = True
 
@@ -116,16 +125,23 @@ class Topology:
         run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         run("ip", "-n", self.switch, "link", "set", "br0", "up")
         for i in range(1, self.hosts_count + 1):
-            host = Host(i, f"{self.tag}-h{i}", f"{subnet}.{i}", f"p{i}", self.link_spec(i - 1))
+            kind = self.nat[i - 1] if self.nat is not None else None
+            host = Host(i, f"{self.tag}-h{i}", f"{subnet}.{i}", f"p{i}", self.link_spec(i - 1),
+                        nat=kind, public_ip=f"{subnet}.{i}")
             self._add_ns(host.ns)
             self.hosts.append(host)
-            # both ends are created straight in their namespaces: no name in the root one
-            run("ip", "link", "add", HOST_IFACE, "netns", host.ns, "type", "veth",
-                "peer", "name", host.port, "netns", self.switch)
-            run("ip", "-n", self.switch, "link", "set", host.port, "master", "br0")
-            run("ip", "-n", self.switch, "link", "set", host.port, "up")
-            run("ip", "-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", HOST_IFACE)
-            run("ip", "-n", host.ns, "link", "set", HOST_IFACE, "up")
+            if kind is None:
+                # both ends are created straight in their namespaces: no name in the root one
+                run("ip", "link", "add", HOST_IFACE, "netns", host.ns, "type", "veth",
+                    "peer", "name", host.port, "netns", self.switch)
+                run("ip", "-n", self.switch, "link", "set", host.port, "master", "br0")
+                run("ip", "-n", self.switch, "link", "set", host.port, "up")
+                run("ip", "-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", HOST_IFACE)
+                run("ip", "-n", host.ns, "link", "set", HOST_IFACE, "up")
+            else:
+                host.router = f"{self.tag}-r{i}"
+                self._add_ns(host.router)
+                host.ip = behind_router(host, kind, self.switch, subnet)
             self.set_rate(host, host.link.rate_mbit)
             run(*host.exec_args("nft", "-f", "-"), stdin=nft_rules(host.link, PROXY_PORT))
             host.anchor = subprocess.Popen(host.exec_args("sleep", "infinity"),
@@ -142,7 +158,8 @@ class Topology:
     # --- changing the network at run time --------------------------------------------------
     def set_rate(self, host: Host, rate_mbit: float) -> None:
         """The host's upload and download rate (both ends of its veth), now."""
-        for ns, dev in ((host.ns, HOST_IFACE), (self.switch, host.port)):
+        far = (host.router, LAN_IFACE) if host.router else (self.switch, host.port)
+        for ns, dev in ((host.ns, HOST_IFACE), far):
             shape(ns, dev, rate_mbit)
 
     def link(self, host: Host, up: bool) -> None:

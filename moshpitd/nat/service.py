@@ -43,7 +43,8 @@ SETTLE_MAX = 6.0  # s a round waits for a first check in flight
 class Nat:
     def __init__(self, mode: str, dht: DHTNode, key: PeerKey, swarm: SwarmKey | None,
                  relay_limits: RelayLimits, relaying: bool,
-                 on_endpoints: Callable[[Reserved | None, str], None]) -> None:
+                 on_endpoints: Callable[[Reserved | None, str], None],
+                 tamper: Callable[[bytes], bytes] | None = None) -> None:
         """`on_endpoints(reserved, observed)`: where peers reach us changed (a relay's ports,
         or None: our own, at `observed` if the check found us there)."""
         self.mode, self.dht, self.key, self.swarm = mode, dht, key, swarm
@@ -51,11 +52,12 @@ class Nat:
         self.reach = Reachability()
         self.dialer = DialBack(swarm)
         self.relaying = relaying
-        self.relay: RelayServer | None = None
-        self.relay_limits = relay_limits
+        self.relay = RelayServer("", dht.peer_id, swarm, relay_limits,
+                                 lambda: self.relaying and self.state == PUBLIC, tamper)
         self.ports = (0, 0, 0)  # dht, grpc, data
         self.reserved: Reserved | None = None
-        self.checking = asyncio.Event()  # set while no first check is in flight
+        # set unless a check is in flight or, private, we look for our first relay
+        self.checking = asyncio.Event()
         self.checking.set()
         self._gate: GateServe | None = None
         self._data: Callable[[], Channel] | None = None
@@ -70,8 +72,7 @@ class Nat:
     def start(self, host: str, ports: tuple[int, int, int], gate: GateServe,
               data: Callable[[], Channel]) -> None:
         self.ports, self._gate, self._data = ports, gate, data
-        self.relay = RelayServer(host, self.dht.peer_id, self.swarm, self.relay_limits,
-                                 lambda: self.relaying and self.state == PUBLIC)
+        self.relay.host = host  # its reservations' ports: on our own address
         self.dht.protocol.nat = self
         self._task = asyncio.ensure_future(self._run())
 
@@ -87,9 +88,9 @@ class Nat:
 
     def on_relay_step(self, channel: Channel, op: int, payload: bytes) -> None:
         """The first frame of a connection to our data port was a RELAY step."""
-        if op == wire.RESERVE and self.relay is not None:
+        if op == wire.RESERVE:
             self.relay.reserve(channel, payload)
-        elif op == wire.ACCEPT and self.relay is not None:
+        elif op == wire.ACCEPT:
             self.relay.accept(channel, payload)
         else:
             nonce = nonce_of(payload, self.swarm) if op == wire.REACH else None
@@ -107,6 +108,8 @@ class Nat:
 
     async def _run(self) -> None:
         if self.mode != "auto":
+            if self.mode == PRIVATE:
+                self.checking.clear()  # rounds wait (boundedly) for the first relay
             self._apply(Verdict(self.mode, "set by the reachability option", "", time.time()))
             return
         retry = RETRY_FIRST
@@ -117,9 +120,10 @@ class Nat:
                 try:
                     verdict = await self.reach.check(random.sample(contacts, len(contacts)),
                                                      self._ask)
+                    self._apply(verdict)
                 finally:
-                    self.checking.set()
-                self._apply(verdict)
+                    if self.state != PRIVATE or self.reserved is not None:
+                        self.checking.set()
             if self.state == UNKNOWN:
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX)
@@ -186,6 +190,7 @@ class Nat:
         while True:
             offers = await self._offers(failed)
             if not offers:
+                self.checking.set()  # nothing to wait for
                 log.warning("reachability: private, and no public peer offers to relay: "
                             "taking part as a client")
                 await asyncio.sleep(NO_RELAY_WAIT)
@@ -204,6 +209,7 @@ class Nat:
                 log.info("relayed through %s (round trip %.1f ms): peers reach us at %s and %s",
                          offer.host, offer.rtt * 1e3, reserved.grpc, reserved.data)
                 self.on_endpoints(reserved, "")
+                self.checking.set()
                 try:
                     why = await tunnel.hold(reader, writer)
                 finally:
@@ -213,6 +219,9 @@ class Nat:
                 log.warning("relay %s lost (%s): finding another", offer.host, why)
                 failed[offer.peer_id] = time.monotonic() + FAILED_FOR
                 break
+            else:  # every offer failed
+                self.checking.set()
+                await asyncio.sleep(NO_RELAY_WAIT)
 
     def status(self) -> dict[str, Any]:
         v = self.reach.verdict
@@ -222,12 +231,11 @@ class Nat:
                     "peer_id": self.reserved.relay.peer_id.hex(),
                     "grpc": self.reserved.grpc, "data": self.reserved.data,
                     "rtt_ms": round(self.reserved.relay.rtt * 1e3, 2)},
-                "relaying": status(self.relay) if self.relay is not None else None}
+                "relaying": status(self.relay)}
 
     async def close(self) -> None:
         for task in (self._task, self._relayed):
             if task is not None:
                 task.cancel()
         await self.dialer.close()
-        if self.relay is not None:
-            await self.relay.close()
+        await self.relay.close()

@@ -76,3 +76,46 @@ def test_private_peers_own_spans_through_relays(swarm: LocalSwarm) -> None:
         relayed_bytes += metrics["moshpitd_relay_bytes_total"]
     # what the private daemons received as owners came through the relays
     assert relayed_bytes > 2 * ELEMS * 4 / PEERS
+
+
+def assert_exact_by_masks(xs: list[torch.Tensor], outs: list[object], clients: list[moshpit.Client],
+                          ids: dict[str, int]) -> int:
+    """Each span of each result is the mean of the inputs of the members its mask names (its
+    own input where the mask is 0); returns how many spans had a member left out."""
+    short = 0
+    for i, client in enumerate(clients):
+        out, info = outs[i], client.last_round
+        assert isinstance(out, list) and info is not None, out
+        got = out[0].numpy()
+        members = [ids[m] for m in info.members]
+        for start, stop, mask in info.spans:
+            named = [members[b] for b in range(len(members)) if mask >> b & 1] or [i]
+            short += len(named) < len(members)
+            want = np.mean([xs[n].numpy()[start:stop] for n in named], axis=0)
+            np.testing.assert_allclose(got[start:stop], want, rtol=1e-5, atol=1e-6)
+    return short
+
+
+def test_a_relay_that_tampers_is_caught_and_nothing_it_touched_is_averaged(
+        tmp_path: Path, swarm_factory: Callable[..., LocalSwarm]) -> None:
+    key = tmp_path / "swarm.key"
+    key.write_bytes(os.urandom(32).hex().encode() + b"\n")
+    key.chmod(0o600)
+    marker = tmp_path / "tampered"
+    swarm = swarm_factory(3, extra_args=["--swarm-key-file", str(key), "--bandwidth", "100"],
+                          env_by_index={0: {"MOSHPITD_FAULT": "tamper-relay",
+                                            "MOSHPITD_FAULT_MARKER": str(marker)},
+                                        1: {"MOSHPITD_RELAY": "false"},
+                                        2: {"MOSHPITD_REACHABILITY": "private"}})
+    clients = [moshpit.Client(s) for s in swarm.sockets]
+    by = wait_until(lambda: relayed(clients[2]), 20, "daemon 2 relayed")
+    assert by["peer_id"] == swarm.daemons[0].info["peer_id"]  # the only one that relays
+    xs = [inputs(10 + i) for i in range(3)]
+    outs = run_parallel([lambda i=i: clients[i].average(
+        [xs[i]], key="tamper", timeout=60, group_size=3, min_group_size=3) for i in range(3)])
+    ids = {d.info["peer_id"]: i for i, d in enumerate(swarm.daemons)}
+    assert marker.exists()  # the relay did alter frames
+    assert assert_exact_by_masks(xs, outs, clients, ids) > 0  # and streams were cut for it
+    log = (swarm.daemons[2].log_tail(400) + swarm.daemons[0].log_tail(400)
+           + swarm.daemons[1].log_tail(400))
+    assert "tamper" in log.lower() or "authentic" in log.lower(), log[-3000:]

@@ -1,0 +1,1 @@
+"""Peers behind NAT: reachability, relaying for others, being relayed (docs/architecture.md)."""
