@@ -173,7 +173,8 @@ class MoshpitNode:
         if gate is not None:
             gate.on_reach = lambda nonce: self.nat.reached(nonce, "grpc")
         self.nat.start(grpc_host, (self.dht_addr[1], port, dport),
-                       gate.serve if gate is not None else _no_gate, self.registry.accept)
+                       gate.serve if gate is not None else _no_gate, self.registry.accept,
+                       (grpc_host, c.advertise_host, self.dht_addr[0]))
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
             self._bootstrap_task = asyncio.create_task(self._keep_bootstrapped())

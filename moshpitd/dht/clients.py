@@ -7,8 +7,8 @@ rpcudp request is 0x00, a client's is 0x02. A request so marked is answered as a
 its sender is never added to the routing table (`from_client` is set while it is handled).
 
 The NAT requests:
-  reach(nodeid, nonce, dht_port, grpc_port, data_port) -> [ip, port] we saw it at; we then
-      dial that ip back on those ports (moshpitd/nat/reach.py, DialBack);
+  reach(nodeid, nonce, dht_port, grpc_port, data_port) -> [ip, port] we saw it at and whether
+      we dial that ip back on those ports (moshpitd/nat/reach.py, DialBack; False: too busy);
   reached(nonce): a dial-back datagram, sent from a port the checked peer never talked to;
   relay(nodeid) -> our data port if we take reservations now, else None.
 """
@@ -25,7 +25,8 @@ from_client: contextvars.ContextVar[bool] = contextvars.ContextVar("from_client"
 
 
 class NatHandlers(Protocol):
-    def dial_back(self, ip: str, nonce: bytes, ports: tuple[int, int, int]) -> bool: ...
+    def dial_back(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int]
+                  ) -> bool: ...
     def reached(self, nonce: bytes, kind: str) -> None: ...
     def relay_port(self) -> int | None: ...
 
@@ -64,8 +65,8 @@ class NatRPCs:
                   grpc: int, data: int) -> list[Any]:
         if not (isinstance(nonce, bytes) and len(nonce) == 16) or self.nat is None:
             raise ValueError("malformed reach")
-        self.nat.dial_back(sender[0], nonce, (_port(dht), _port(grpc), _port(data)))
-        return [sender[0], sender[1]]
+        dialing = self.nat.dial_back(sender, nonce, (_port(dht), _port(grpc), _port(data)))
+        return [sender[0], sender[1], dialing]
 
     def rpc_reached(self, sender: tuple[str, int], nonce: bytes) -> bool:
         if not isinstance(nonce, bytes) or self.nat is None:

@@ -5,11 +5,15 @@ request come from, then dials that address, on our own listen ports, from socket
 the purpose: a datagram to our DHT port and a connection to each of our gRPC and data ports,
 each carrying the nonce we gave it. A reply to our own packets passes any NAT and proves
 nothing; these come from ports we never sent to, so only a host whose ports the world can open
-receives them. Public: one contact got through on all three ports. Private: contacts answered
-and none did. Unknown: nobody answered (or we know nobody yet).
+receives them. Public: one contact got through on all three ports, or every contact saw us at
+our own address (no NAT between us: on a LAN or loopback a busy host's late dial-backs must
+not make it private). Private: contacts took the request and none got through. Unknown:
+nobody took it (or we know nobody yet).
 
 The dialer's side is bounded: it dials only the address the request came from (never one the
-request names), at most one dial-back per address at a time, and DIAL_RATE a second in all.
+request names), at most one dial-back per requesting socket at a time, DIAL_RATE a second and
+MAX_DIALING at once in all; a request past those is answered as refused, and the requester
+does not count it.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ KINDS = ("dht", "grpc", "data")
 DIALERS = 3  # contacts asked per check
 WAIT = 3.0  # s for dial-backs: a lost SYN is sent again after 1 s
 DIAL_TIMEOUT = 3.0
-DIAL_RATE, DIAL_BURST = 4.0, 16  # dial-backs a second, over all requesters
-MAX_DIALING = 16
+DIAL_RATE, DIAL_BURST = 16.0, 64  # dial-backs a second, over all requesters
+MAX_DIALING = 64
 UDP_COPIES = 2  # a lost datagram must not make a public peer private
 NONCE = 16
 
@@ -53,7 +57,8 @@ class Verdict:
     reached: dict[str, int] = field(default_factory=dict)  # kind -> dialers that got through
 
 
-Ask = Callable[[object, bytes], Awaitable[tuple[str, int] | None]]
+# a contact and a nonce -> (the address it saw us at, whether it will dial us back), or None
+Ask = Callable[[object, bytes], Awaitable[tuple[str, bool] | None]]
 
 
 class Reachability:
@@ -70,17 +75,21 @@ class Reachability:
             seen.add(kind)
             self._heard.set()
 
-    async def check(self, contacts: Sequence[object], ask: Ask) -> Verdict:
-        """Ask up to DIALERS contacts to dial us back; the verdict (also kept)."""
+    async def check(self, contacts: Sequence[object], ask: Ask,
+                    own: Sequence[str] = ()) -> Verdict:
+        """Ask up to DIALERS contacts to dial us back; the verdict (also kept). `own`: the
+        addresses we listen on."""
         nonces = {os.urandom(NONCE): c for c in contacts[:DIALERS]}
         for nonce in nonces:
             self._pending[nonce] = set()
         try:
             answers = await asyncio.gather(*(ask(c, n) for n, c in nonces.items()))
             observed = sorted({a[0] for a in answers if a is not None})
-            answered = sum(a is not None for a in answers)
+            answered = sum(a is not None and a[1] for a in answers)
+            direct = bool(observed) and set(observed) <= set(own)
             deadline = time.monotonic() + WAIT
-            while answered and not self._through(nonces) and time.monotonic() < deadline:
+            while (answered and not direct and not self._through(nonces)
+                   and time.monotonic() < deadline):
                 self._heard.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(deadline - time.monotonic()):
@@ -91,7 +100,10 @@ class Reachability:
             for nonce in nonces:
                 self._pending.pop(nonce, None)
         where = ", ".join(observed) or "?"
-        if through:
+        if direct:
+            verdict = Verdict(PUBLIC, f"peers see us at our own address {where}: no NAT between",
+                              where, time.time(), reached)
+        elif through:
             verdict = Verdict(PUBLIC, f"{through} of {answered} peers dialled us back at "
                               f"{where} on every port", where, time.time(), reached)
         elif answered:
@@ -99,8 +111,8 @@ class Reachability:
             verdict = Verdict(PRIVATE, f"{answered} peers saw us at {where}; none reached our "
                               f"{'/'.join(missing)} port(s) there", where, time.time(), reached)
         else:
-            verdict = Verdict(UNKNOWN, f"none of {len(nonces)} peers answered a reachability "
-                              "check", "", time.time(), reached)
+            verdict = Verdict(UNKNOWN, f"none of {len(nonces)} peers took a reachability "
+                              "check (silent, or busy dialing others)", "", time.time(), reached)
         self.verdict = verdict
         return verdict
 
@@ -116,18 +128,20 @@ class DialBack:
         self.swarm = swarm
         self.clock = clock
         self.bucket = Bucket(DIAL_RATE, DIAL_BURST, clock())
-        self.dialing: OrderedDict[str, asyncio.Task[None]] = OrderedDict()
+        self.dialing: OrderedDict[tuple[str, int], asyncio.Task[None]] = OrderedDict()
         self.refused = 0
 
-    def request(self, ip: str, nonce: bytes, ports: tuple[int, int, int]) -> bool:
-        """Dial `ip` (where the request came from) on (dht, grpc, data); False if refused."""
-        if (ip in self.dialing or len(self.dialing) >= MAX_DIALING
+    def request(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int]
+                ) -> bool:
+        """Dial the ip of `sender` (where the request came from) on (dht, grpc, data); False if
+        refused."""
+        if (sender in self.dialing or len(self.dialing) >= MAX_DIALING
                 or not self.bucket.take(1, self.clock())):
             self.refused += 1
             return False
-        task = asyncio.ensure_future(self._dial(ip, nonce, ports))
-        self.dialing[ip] = task
-        task.add_done_callback(lambda t: self.dialing.pop(ip, None))
+        task = asyncio.ensure_future(self._dial(sender[0], nonce, ports))
+        self.dialing[sender] = task
+        task.add_done_callback(lambda t: self.dialing.pop(sender, None))
         return True
 
     async def _dial(self, ip: str, nonce: bytes, ports: tuple[int, int, int]) -> None:

@@ -42,6 +42,8 @@ class RelayLimits:
     reservations: int = 16  # private peers at once
     per_address: int = 4  # of them from one address (peers behind one NAT share it)
     connections: int = 64  # relayed connections of one reservation at once
+    per_caller: int = 16  # of them from one caller's address (a stranger's flood of callers
+    # must not hold every slot of a reservation)
     rate: float = 12.5e6  # bytes/s one reservation's connections move, both ways; 0: no bound
 
 
@@ -148,15 +150,17 @@ class RelayServer:
     def _announce(self, res: _Reservation, kind: int, half: Half) -> None:
         if half.transport is None or half.transport.is_closing():
             return
-        if res.closed or len(res.live) + len(res.pending) >= self.limits.connections:
+        peer = half.transport.get_extra_info("peername")
+        origin = half.origin = str(peer[0]) if peer else "?"
+        callers = [h for h in (*res.live, *res.pending.values()) if h.origin == origin]
+        if (res.closed or len(res.live) + len(res.pending) >= self.limits.connections
+                or len(callers) >= self.limits.per_caller):
             self.refused["connections"] += 1
             half.close()
             return
         res.serial += 1
         n = res.serial
         res.pending[n] = half
-        peer = half.transport.get_extra_info("peername")
-        origin = str(peer[0]) if peer else "?"
         assert res.control.transport is not None
         res.control.transport.write(wire.frame(self.swarm, wire.CONNECT, [n, kind, origin]))
         asyncio.get_running_loop().call_later(ACCEPT_WAIT, self._unfetched, res, n)

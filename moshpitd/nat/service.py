@@ -55,6 +55,7 @@ class Nat:
         self.relay = RelayServer("", dht.peer_id, swarm, relay_limits,
                                  lambda: self.relaying and self.state == PUBLIC, tamper)
         self.ports = (0, 0, 0)  # dht, grpc, data
+        self.own: tuple[str, ...] = ()
         self.reserved: Reserved | None = None
         # set unless a check is in flight or, private, we look for our first relay
         self.checking = asyncio.Event()
@@ -70,15 +71,17 @@ class Nat:
         return self.reach.verdict.state
 
     def start(self, host: str, ports: tuple[int, int, int], gate: GateServe,
-              data: Callable[[], Channel]) -> None:
-        self.ports, self._gate, self._data = ports, gate, data
+              data: Callable[[], Channel], own: tuple[str, ...] = ()) -> None:
+        """`own`: the addresses we listen on, and advertise."""
+        self.ports, self._gate, self._data, self.own = ports, gate, data, own
         self.relay.host = host  # its reservations' ports: on our own address
         self.dht.protocol.nat = self
         self._task = asyncio.ensure_future(self._run())
 
     # --- the DHT's NAT requests (dht/clients.py) and the data port's relay steps -------------
-    def dial_back(self, ip: str, nonce: bytes, ports: tuple[int, int, int]) -> bool:
-        return self.dialer.request(ip, nonce, ports)
+    def dial_back(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int]
+                  ) -> bool:
+        return self.dialer.request(sender, nonce, ports)
 
     def reached(self, nonce: bytes, kind: str) -> None:
         self.reach.reached(nonce, kind)
@@ -119,7 +122,7 @@ class Nat:
                 self.checking.clear()
                 try:
                     verdict = await self.reach.check(random.sample(contacts, len(contacts)),
-                                                     self._ask)
+                                                     self._ask, self.own)
                     self._apply(verdict)
                 finally:
                     if self.state != PRIVATE or self.reserved is not None:
@@ -130,13 +133,13 @@ class Nat:
             else:
                 await asyncio.sleep(RECHECK)
 
-    async def _ask(self, node: object, nonce: bytes) -> tuple[str, int] | None:
+    async def _ask(self, node: object, nonce: bytes) -> tuple[str, bool] | None:
         assert isinstance(node, Node)
         proto = self.dht.protocol
         ok, answer = await proto.reach((node.ip, node.port), proto.source_node.id, nonce,
                                        *self.ports)
-        if ok and isinstance(answer, list) and len(answer) == 2 and isinstance(answer[0], str):
-            return answer[0], int(answer[1])
+        if ok and isinstance(answer, list) and len(answer) == 3 and isinstance(answer[0], str):
+            return answer[0], answer[2] is True
         return None
 
     def _apply(self, verdict: Verdict) -> None:

@@ -39,6 +39,7 @@ class Half(asyncio.Protocol):
         self.budget = budget
         self.on_close = on_close
         self.on_made = on_made
+        self.origin = ""  # a caller's address (the relay's bound per caller)
         self.tamper = tamper
         self.transport: asyncio.Transport | None = None
         self.other: Half | None = None

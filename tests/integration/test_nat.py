@@ -6,7 +6,8 @@ Each NATed daemon finds by itself that it is private (its peers' dial-backs neve
 reserves a relay at a public peer, and reduces its share of every round through it: each
 result is the exact mean its masks name, and /metrics shows the bytes it reduced. Then the
 relay of one of them is killed mid-run: that peer is relayed by the other public peer within
-seconds, and the next round is exact again.
+seconds, and the next round is exact again; so is a round between the two NATed trainers
+alone, the surviving public daemon only relaying.
 
 Needs root, `ip`, `tc` and `nft` (CI runs as root); skips with the reason otherwise.
 """
@@ -132,3 +133,10 @@ def test_peers_behind_either_nat_reduce_through_relays(
                    f"host {i + 1} relayed by the surviving public peer")
     left = [clients[n] for n in range(len(daemons)) if n != victim]
     exact_round(left, "nat2", 200)
+    # every trainer behind NAT, the one public daemon only relaying: they still average, and
+    # each reduces its half through the relay
+    before = [metrics_in(topo, topo.hosts[i], daemons[i])["moshpitd_reduced_bytes_total"]
+              for i in PRIVATE]
+    exact_round([clients[i] for i in PRIVATE], "nat3", 300)
+    for i, was in zip(PRIVATE, before, strict=True):
+        assert metrics_in(topo, topo.hosts[i], daemons[i])["moshpitd_reduced_bytes_total"] > was

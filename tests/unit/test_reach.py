@@ -75,18 +75,19 @@ class _Datagrams(asyncio.DatagramProtocol):
         self.ports.checked.reached(args[0], "dht")
 
 
-async def _verdict(open_kinds: set[str], swarm: SwarmKey | None) -> reach.Verdict:
+async def _verdict(open_kinds: set[str], swarm: SwarmKey | None, own: tuple[str, ...] = ()
+                   ) -> reach.Verdict:
     checked = Reachability()
     ports = _Ports(checked, swarm, open_kinds)
-    own = await ports.start()
+    own_ports = await ports.start()
     dialers = [DialBack(swarm) for _ in range(3)]
 
-    async def ask(dialer: object, nonce: bytes) -> tuple[str, int]:
+    async def ask(dialer: object, nonce: bytes) -> tuple[str, bool]:
         assert isinstance(dialer, DialBack)
-        assert dialer.request("127.0.0.1", nonce, own)
-        return "127.0.0.1", 4242
+        return "127.0.0.1", dialer.request(("127.0.0.1", 4242), nonce, ports_open)
+    ports_open = own_ports
     try:
-        return await checked.check(dialers, ask)
+        return await checked.check(dialers, ask, own)
     finally:
         ports.close()
         for d in dialers:
@@ -111,12 +112,18 @@ def test_a_peer_with_any_port_unreachable_is_private(closed: str,
     assert closed in verdict.why and verdict.reached[closed] == 0
 
 
-def test_nobody_answering_leaves_it_unknown() -> None:
-    async def body() -> reach.Verdict:
-        async def ask(contact: object, nonce: bytes) -> None:
-            return None
+def test_peers_that_see_our_own_address_make_us_public_without_waiting() -> None:
+    verdict = asyncio.run(_verdict(set(), None, own=("127.0.0.1",)))  # every port closed
+    assert verdict.state == reach.PUBLIC and "no NAT" in verdict.why
+
+
+def test_nobody_answering_or_every_dialer_busy_leaves_it_unknown() -> None:
+    async def body(answer: tuple[str, bool] | None) -> reach.Verdict:
+        async def ask(contact: object, nonce: bytes) -> tuple[str, bool] | None:
+            return answer
         return await Reachability().check([object(), object()], ask)
-    assert asyncio.run(body()).state == reach.UNKNOWN
+    assert asyncio.run(body(None)).state == reach.UNKNOWN
+    assert asyncio.run(body(("192.0.2.1", False))).state == reach.UNKNOWN
 
 
 def test_the_dialer_dials_each_address_once_at_a_time_and_within_its_rate() -> None:
@@ -126,11 +133,11 @@ def test_the_dialer_dials_each_address_once_at_a_time_and_within_its_rate() -> N
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ports = (port, port, port)
-        assert dialer.request("127.0.0.2", os.urandom(16), ports)
-        assert not dialer.request("127.0.0.2", os.urandom(16), ports)  # one at a time
-        granted = sum(dialer.request(f"127.0.1.{i}", os.urandom(16), ports)
-                      for i in range(1, 40))
+        assert dialer.request(("127.0.0.2", 1), os.urandom(16), ports)
+        assert not dialer.request(("127.0.0.2", 1), os.urandom(16), ports)  # one at a time
+        granted = sum(dialer.request((f"127.0.1.{i}", 1), os.urandom(16), ports)
+                      for i in range(1, 100))
         assert granted <= reach.DIAL_BURST
-        assert dialer.refused >= 1 + 39 - granted
+        assert dialer.refused >= 1 + 99 - granted
         await dialer.close()
     asyncio.run(body())
