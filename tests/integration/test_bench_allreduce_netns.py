@@ -47,3 +47,22 @@ def test_every_system_gets_a_row_of_finite_times(tmp_path: Path) -> None:
         row = rows[system]
         assert 0 < row["matchmaking_s"] < row["median_s"], row
         assert 0 < row["allreduce_s"] < row["median_s"], row
+
+
+def test_a_host_behind_nat_gets_a_relayed_row_and_gloo_none(tmp_path: Path) -> None:
+    reason = missing_prerequisites()
+    if reason:
+        pytest.skip(reason)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.allreduce", "--netns", "2x100,rtt=10,nat=1", "--elems",
+         "64K", "--warmup", "1", "--repeat", "2", "--timeout", "30", "--systems",
+         "moshpit,gloo", "--workdir", str(tmp_path / "net"), "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads(proc.stdout)
+    assert out["nat"] == [None, "preserve"]
+    assert [row["system"] for row in out["rows"]] == ["moshpit"]  # gloo cannot run there
+    assert "gloo: not run: behind NAT" in proc.stderr
+    row = out["rows"][0]
+    assert len(row["samples_s"]) == 2 and row["max_error"] == 0.0, row
+    assert row["partial_rounds"] == 0, row  # the NATed host reduced its share, relayed
