@@ -339,8 +339,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         with Topology(len(links), workdir, links=links, nat=nats) as topo:
             _log(f"{len(links)} hosts up")
-            rtt = ([topo.ping(topo.hosts[0], topo.hosts[1])]
-                   if topo.hosts[1].link.delay_s > 0 else [])
+            rtt = ([topo.ping(topo.hosts[-1], topo.hosts[0])]  # the first host is public
+                   if topo.hosts[0].link.delay_s > 0 else [])
             for system in systems:
                 _log(f"{system} on {args.netns}")
                 if any(nats) and system in ("gloo", "hivemind"):

@@ -172,14 +172,14 @@ class MoshpitNode:
         gate = self.server.gate
         if gate is not None:
             gate.on_reach = lambda nonce: self.nat.reached(nonce, "grpc")
-        self.nat.start(grpc_host, (self.dht_addr[1], port, dport),
-                       gate.serve if gate is not None else _no_gate, self.registry.accept,
-                       (grpc_host, c.advertise_host, self.dht_addr[0]))
         if c.bootstrap:
             await self.dht.join(list(c.bootstrap))
             self._bootstrap_task = asyncio.create_task(self._keep_bootstrapped())
-        if c.reachability == "private":
+        if c.reachability == "private":  # a client until its first relay
             self._set_endpoints(*self._own, unreachable=True)
+        self.nat.start(grpc_host, (self.dht_addr[1], port, dport),  # its first check at once
+                       gate.serve if gate is not None else _no_gate, self.registry.accept,
+                       (grpc_host, c.advertise_host, self.dht_addr[0]))
 
     def _reached_at(self, reserved: Reserved | None, observed: str) -> None:
         """Where peers reach us changed (moshpitd/nat/service.py): through a relay's ports,

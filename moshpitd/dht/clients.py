@@ -7,8 +7,10 @@ rpcudp request is 0x00, a client's is 0x02. A request so marked is answered as a
 its sender is never added to the routing table (`from_client` is set while it is handled).
 
 The NAT requests:
-  reach(nodeid, nonce, dht_port, grpc_port, data_port) -> [ip, port] we saw it at and whether
-      we dial that ip back on those ports (moshpitd/nat/reach.py, DialBack; False: too busy);
+  reach(nodeid, nonce, dht_port, grpc_port, data_port, cookie) -> [ip, port, status], the
+      address we saw it at and: a cookie (bytes) to send back for its address, or, given that
+      cookie, whether we dial that ip back on those ports (moshpitd/nat/reach.py, DialBack;
+      False: too busy);
   reached(nonce): a dial-back datagram, sent from a port the checked peer never talked to;
   relay(nodeid) -> our data port if we take reservations now, else None.
 """
@@ -25,8 +27,8 @@ from_client: contextvars.ContextVar[bool] = contextvars.ContextVar("from_client"
 
 
 class NatHandlers(Protocol):
-    def dial_back(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int]
-                  ) -> bool: ...
+    def dial_back(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int],
+                  cookie: bytes) -> bool | bytes: ...
     def reached(self, nonce: bytes, kind: str) -> None: ...
     def relay_port(self) -> int | None: ...
 
@@ -62,11 +64,13 @@ class NatRPCs:
     client = False  # we are a client: mark our requests
 
     def rpc_reach(self, sender: tuple[str, int], nodeid: bytes, nonce: bytes, dht: int,
-                  grpc: int, data: int) -> list[Any]:
-        if not (isinstance(nonce, bytes) and len(nonce) == 16) or self.nat is None:
+                  grpc: int, data: int, cookie: bytes = b"") -> list[Any]:
+        if not (isinstance(nonce, bytes) and len(nonce) == 16 and isinstance(cookie, bytes)
+                and self.nat is not None):
             raise ValueError("malformed reach")
-        dialing = self.nat.dial_back(sender, nonce, (_port(dht), _port(grpc), _port(data)))
-        return [sender[0], sender[1], dialing]
+        status = self.nat.dial_back(sender, nonce, (_port(dht), _port(grpc), _port(data)),
+                                    cookie)
+        return [sender[0], sender[1], status]
 
     def rpc_reached(self, sender: tuple[str, int], nonce: bytes) -> bool:
         if not isinstance(nonce, bytes) or self.nat is None:

@@ -11,27 +11,32 @@ not make it private). Private: contacts took the request and none got through. U
 nobody took it (or we know nobody yet).
 
 The dialer's side is bounded: it dials only the address the request came from (never one the
-request names), at most one dial-back per requesting socket at a time, DIAL_RATE a second and
-MAX_DIALING at once in all; a request past those is answered as refused, and the requester
-does not count it.
+request names) and only once that address showed it receives our answers (a cookie round
+trip), at most one dial-back per requesting socket at a time, PER_IP_RATE a second per address,
+DIAL_RATE a second and MAX_DIALING at once in all; a request past those is answered as
+refused, and the requester does not count it. Verdicts need two contacts that agree (where
+two can be asked): one lying contact can neither name our address nor make us private.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import ipaddress
 import logging
 import os
 import socket
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
 
 from moshpitd.auth import SwarmKey
-from moshpitd.buckets import Bucket
+from moshpitd.buckets import Bucket, lru_bucket
 from moshpitd.nat import wire
 from moshpitd.transport.gate import REACH_MAGIC
 
@@ -44,6 +49,9 @@ WAIT = 3.0  # s for dial-backs: a lost SYN is sent again after 1 s
 DIAL_TIMEOUT = 3.0
 DIAL_RATE, DIAL_BURST = 16.0, 64  # dial-backs a second, over all requesters
 MAX_DIALING = 64
+PER_IP_RATE, PER_IP_BURST = 2.0, 32  # of them for one requesting address (peers behind a NAT,
+# or on one host, share it; one address must not take every dial-back)
+COOKIE_SECONDS = 30.0
 UDP_COPIES = 2  # a lost datagram must not make a public peer private
 NONCE = 16
 
@@ -52,7 +60,7 @@ NONCE = 16
 class Verdict:
     state: str = UNKNOWN
     why: str = "not checked yet"
-    observed: str = ""  # the address peers saw us at
+    observed: str = ""  # the address at least two peers (or the only one) saw us at
     at: float = 0.0  # wall time of the check
     reached: dict[str, int] = field(default_factory=dict)  # kind -> dialers that got through
 
@@ -77,16 +85,21 @@ class Reachability:
 
     async def check(self, contacts: Sequence[object], ask: Ask,
                     own: Sequence[str] = ()) -> Verdict:
-        """Ask up to DIALERS contacts to dial us back; the verdict (also kept). `own`: the
-        addresses we listen on."""
+        """Ask up to DIALERS contacts to dial us back; the verdict (the caller keeps it in
+        `verdict`). `own`: the addresses we listen on."""
         nonces = {os.urandom(NONCE): c for c in contacts[:DIALERS]}
         for nonce in nonces:
             self._pending[nonce] = set()
         try:
-            answers = await asyncio.gather(*(ask(c, n) for n, c in nonces.items()))
-            observed = sorted({a[0] for a in answers if a is not None})
-            answered = sum(a is not None and a[1] for a in answers)
-            direct = bool(observed) and set(observed) <= set(own)
+            answers = [a for a in await asyncio.gather(*(ask(c, n) for n, c in nonces.items()))
+                       if a is not None]
+            # one contact's word is not enough where more can be asked: identities are free
+            need = min(2, len(nonces))
+            seen = Counter(ip for ip, _ in answers)
+            agreed = next((ip for ip, n in seen.most_common(1) if n >= need), "")
+            answered = sum(dialing for _, dialing in answers)
+            mine = {h for h in own if h and not _wildcard(h)}
+            direct = len(answers) >= need and set(seen) <= mine
             deadline = time.monotonic() + WAIT
             while (answered and not direct and not self._through(nonces)
                    and time.monotonic() < deadline):
@@ -99,44 +112,70 @@ class Reachability:
         finally:
             for nonce in nonces:
                 self._pending.pop(nonce, None)
-        where = ", ".join(observed) or "?"
+        where = ", ".join(sorted(seen)) or "?"
         if direct:
             verdict = Verdict(PUBLIC, f"peers see us at our own address {where}: no NAT between",
-                              where, time.time(), reached)
+                              agreed, time.time(), reached)
         elif through:
             verdict = Verdict(PUBLIC, f"{through} of {answered} peers dialled us back at "
-                              f"{where} on every port", where, time.time(), reached)
-        elif answered:
+                              f"{where} on every port", agreed, time.time(), reached)
+        elif answered >= need:
             missing = [k for k in KINDS if not reached[k]]
             verdict = Verdict(PRIVATE, f"{answered} peers saw us at {where}; none reached our "
-                              f"{'/'.join(missing)} port(s) there", where, time.time(), reached)
+                              f"{'/'.join(missing)} port(s) there", agreed, time.time(), reached)
         else:
-            verdict = Verdict(UNKNOWN, f"none of {len(nonces)} peers took a reachability "
-                              "check (silent, or busy dialing others)", "", time.time(), reached)
-        self.verdict = verdict
+            verdict = Verdict(UNKNOWN, f"{answered} of {len(nonces)} peers took a reachability "
+                              f"check ({need} needed; the others silent or busy)", "",
+                              time.time(), reached)
         return verdict
 
     def _through(self, nonces: dict[bytes, object]) -> int:
         return sum(self._pending[n] >= set(KINDS) for n in nonces)
 
 
+def _wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 class DialBack:
-    """The dialer's side: dial a requester back, within bounds."""
+    """The dialer's side: dial a requester back, within bounds. A request is dialed only
+    with a cookie we gave its address a moment ago (a first request gets the cookie): a forged
+    source address never sees the cookie, so nobody aims our dials at a third party."""
 
     def __init__(self, swarm: SwarmKey | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.swarm = swarm
         self.clock = clock
         self.bucket = Bucket(DIAL_RATE, DIAL_BURST, clock())
+        self.per_ip: OrderedDict[str, Bucket] = OrderedDict()
         self.dialing: OrderedDict[tuple[str, int], asyncio.Task[None]] = OrderedDict()
         self.refused = 0
+        self._secret = os.urandom(32)
+
+    def cookie(self, sender: tuple[str, int], epoch: int | None = None) -> bytes:
+        epoch = int(self.clock() // COOKIE_SECONDS) if epoch is None else epoch
+        msg = f"{sender[0]}|{sender[1]}|{epoch}".encode()
+        return hmac.new(self._secret, msg, hashlib.sha256).digest()[:16]
+
+    def cookie_ok(self, sender: tuple[str, int], cookie: bytes) -> bool:
+        now = int(self.clock() // COOKIE_SECONDS)
+        return any(hmac.compare_digest(cookie, self.cookie(sender, e)) for e in (now, now - 1))
 
     def request(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int]
                 ) -> bool:
         """Dial the ip of `sender` (where the request came from) on (dht, grpc, data); False if
         refused."""
+        now = self.clock()
+        mine = lru_bucket(self.per_ip, sender[0], lambda: Bucket(PER_IP_RATE, PER_IP_BURST, now))
         if (sender in self.dialing or len(self.dialing) >= MAX_DIALING
-                or not self.bucket.take(1, self.clock())):
+                or not mine.take(1, now)):
+            self.refused += 1
+            return False
+        if not self.bucket.take(1, now):
+            mine.tokens += 1
             self.refused += 1
             return False
         task = asyncio.ensure_future(self._dial(sender[0], nonce, ports))

@@ -35,6 +35,7 @@ from moshpitd.transport.dataplane import RELAY, Channel
 log = logging.getLogger(__name__)
 
 ACCEPT_WAIT = 5.0  # s a caller waits for the private peer to fetch its connection
+MAX_UNREAD = 64 << 10  # bytes of our answers a reserved peer may leave unread
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,11 @@ class RelayServer:
         self.bytes += n
 
     def reserve(self, channel: Channel, payload: bytes) -> None:
-        """A RESERVE on a fresh connection to our data port."""
+        """A RESERVE on a fresh connection to our data port. Nothing more is read from it
+        until the reservation is made (its next steps go to the reservation's own sink)."""
+        channel.sink = None
+        if channel.transport is not None:
+            channel.transport.pause_reading()
         task = asyncio.ensure_future(self._reserve(channel, payload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -103,21 +108,22 @@ class RelayServer:
         assert channel.transport is not None
         peer = channel.transport.get_extra_info("peername")
         address = str(peer[0]) if peer else "?"
+        if not self.willing():  # before any signature is checked
+            return self._refuse(channel, "this daemon does not relay now", "unwilling")
         try:
             peer_id = wire.reserver(wire.parse(self.swarm, wire.RESERVE, payload, self.replay,
                                                address), self.peer_id)
         except wire.RelayError as exc:
             return self._refuse(channel, str(exc), "malformed")
-        if not self.willing():
-            return self._refuse(channel, "this daemon does not relay now", "unwilling")
-        old = self.by_peer.get(peer_id)
-        if old is not None:  # the peer reserves again (it restarted, or lost our connection)
-            self._close(old)
-        if self.reservations >= self.limits.reservations:
+        old = self.by_peer.get(peer_id)  # the peer reserves again (it restarted, or lost us)
+        others = [r for r in self.by_token.values() if r is not old]
+        if len(others) >= self.limits.reservations:
             return self._refuse(channel, "this relay is full", "full")
-        if sum(r.address == address for r in self.by_token.values()) >= self.limits.per_address:
+        if sum(r.address == address for r in others) >= self.limits.per_address:
             return self._refuse(channel, "too many reservations from this address",
                                 "per_address")
+        if old is not None:
+            self._close(old)
         res = _Reservation(peer_id, address, channel,
                            Budget(self.limits.rate, self.clock, self._count))
         self.by_token[res.token], self.by_peer[peer_id] = res, res
@@ -135,6 +141,7 @@ class RelayServer:
         ports = [int(s.sockets[0].getsockname()[1]) for s in res.servers]
         channel.sink = _Control(self, res)
         assert channel.transport is not None
+        channel.transport.resume_reading()
         channel.transport.write(wire.frame(self.swarm, wire.RESERVED,
                                            [res.token, *ports, address]))
         log.info("relay: reserved ports %s for peer %s at %s", ports, peer_id.hex()[:12],
@@ -144,8 +151,14 @@ class RelayServer:
         tamper = self.tamper if kind == wire.DATA else None
         half = Half(res.budget, tamper=tamper,
                     on_made=lambda made: self._announce(res, kind, made))
-        half.on_close = lambda: res.live.discard(half)
+        half.on_close = lambda: self._gone(res, half)
         return half
+
+    @staticmethod
+    def _gone(res: _Reservation, half: Half) -> None:
+        res.live.discard(half)
+        if res.pending.get(half.serial) is half:
+            del res.pending[half.serial]
 
     def _announce(self, res: _Reservation, kind: int, half: Half) -> None:
         if half.transport is None or half.transport.is_closing():
@@ -159,7 +172,7 @@ class RelayServer:
             half.close()
             return
         res.serial += 1
-        n = res.serial
+        n = half.serial = res.serial
         res.pending[n] = half
         assert res.control.transport is not None
         res.control.transport.write(wire.frame(self.swarm, wire.CONNECT, [n, kind, origin]))
@@ -183,9 +196,12 @@ class RelayServer:
             self.refused["accept"] += 1
             channel.transport.abort()
             return
+        if caller.transport is None or caller.transport.is_closing():  # it left meanwhile
+            channel.transport.abort()
+            return
         half = Half(res.budget, tamper=caller.tamper)
         half.transport = channel.transport
-        half.on_close = lambda: res.live.discard(half)
+        half.on_close = lambda: self._gone(res, half)
         channel.sink = None
         channel.transport.set_protocol(half)
         res.live.update((half, caller))
@@ -210,9 +226,13 @@ class RelayServer:
             res.control.transport.close()
         log.info("relay: reservation of peer %s closed", res.peer_id.hex()[:12])
 
-    async def close(self) -> None:
+    def close_all(self) -> None:
+        """We no longer relay (we turned private, or were told not to)."""
         for res in list(self.by_token.values()):
             self._close(res)
+
+    async def close(self) -> None:
+        self.close_all()
         for task in list(self._tasks):
             task.cancel()
         with contextlib.suppress(Exception):
@@ -232,8 +252,12 @@ class _Control:
 
     def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
         transport = self.res.control.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(wire.frame(None, wire.PONG, b""))
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size() > MAX_UNREAD:  # pings it does not read: gone
+            self.relay._close(self.res)
+            return
+        transport.write(wire.frame(None, wire.PONG, b""))
 
     def on_close(self, exc: BaseException | None) -> None:
         self.relay._close(self.res)

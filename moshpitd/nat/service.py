@@ -65,6 +65,7 @@ class Nat:
         self._task: asyncio.Task[None] | None = None
         self._relayed: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._recheck = asyncio.Event()
 
     @property
     def state(self) -> str:
@@ -79,8 +80,10 @@ class Nat:
         self._task = asyncio.ensure_future(self._run())
 
     # --- the DHT's NAT requests (dht/clients.py) and the data port's relay steps -------------
-    def dial_back(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int]
-                  ) -> bool:
+    def dial_back(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int],
+                  cookie: bytes) -> bool | bytes:
+        if not self.dialer.cookie_ok(sender, cookie):
+            return self.dialer.cookie(sender)
         return self.dialer.request(sender, nonce, ports)
 
     def reached(self, nonce: bytes, kind: str) -> None:
@@ -115,11 +118,13 @@ class Nat:
                 self.checking.clear()  # rounds wait (boundedly) for the first relay
             self._apply(Verdict(self.mode, "set by the reachability option", "", time.time()))
             return
-        retry = RETRY_FIRST
+        retry, first = RETRY_FIRST, True
         while True:
             contacts = self.dht.contacts()
             if contacts:
-                self.checking.clear()
+                if first:  # only the first check holds rounds back
+                    self.checking.clear()
+                first = False
                 try:
                     verdict = await self.reach.check(random.sample(contacts, len(contacts)),
                                                      self._ask, self.own)
@@ -127,28 +132,41 @@ class Nat:
                 finally:
                     if self.state != PRIVATE or self.reserved is not None:
                         self.checking.set()
-            if self.state == UNKNOWN:
-                await asyncio.sleep(retry)
-                retry = min(retry * 2, RETRY_MAX)
-            else:
-                await asyncio.sleep(RECHECK)
+            wait = retry if self.state == UNKNOWN else RECHECK
+            retry = min(retry * 2, RETRY_MAX) if self.state == UNKNOWN else RETRY_FIRST
+            with contextlib.suppress(TimeoutError):  # a lost relay asks again at once
+                async with asyncio.timeout(wait):
+                    await self._recheck.wait()
+            self._recheck.clear()
 
     async def _ask(self, node: object, nonce: bytes) -> tuple[str, bool] | None:
         assert isinstance(node, Node)
         proto = self.dht.protocol
-        ok, answer = await proto.reach((node.ip, node.port), proto.source_node.id, nonce,
-                                       *self.ports)
-        if ok and isinstance(answer, list) and len(answer) == 3 and isinstance(answer[0], str):
-            return answer[0], answer[2] is True
+        cookie = b""
+        for _ in range(2):  # the first answer gives our address its cookie
+            ok, answer = await proto.reach((node.ip, node.port), proto.source_node.id, nonce,
+                                           *self.ports, cookie)
+            if not (ok and isinstance(answer, list) and len(answer) == 3
+                    and isinstance(answer[0], str)):
+                return None
+            if not isinstance(answer[2], bytes):
+                return answer[0], answer[2] is True
+            cookie = answer[2][:16]
         return None
 
     def _apply(self, verdict: Verdict) -> None:
-        was = self.state
+        was, was_verdict = self.state, self.reach.verdict
+        if verdict.state == UNKNOWN and was != UNKNOWN:  # a check nobody took: keep what we knew
+            self.reach.verdict = was_verdict
+            log.info("reachability: still %s (a later check: %s)", was, verdict.why)
+            return
         self.reach.verdict = verdict
         if verdict.state != was:
             (log.warning if verdict.state == PRIVATE else log.info)(
                 "reachability: %s (%s)", verdict.state, verdict.why)
         proto = self.dht.protocol
+        if verdict.state == PRIVATE:
+            self.relay.close_all()  # we relay for nobody unless public
         if verdict.state == PRIVATE:
             if not proto.client:
                 proto.client = True  # in nobody's table from now: tell our contacts
@@ -202,8 +220,7 @@ class Nat:
                 tunnel = Tunnel(self.key, self.swarm, offer, self._gate, self._data)
                 try:
                     reserved, reader, writer = await tunnel.reserve()
-                except (OSError, TimeoutError, asyncio.IncompleteReadError,
-                        wire.RelayError) as exc:
+                except Exception as exc:  # a relay's answer must never end our search
                     log.info("relay %s:%d: no reservation (%s)", offer.host, offer.data_port,
                              exc)
                     failed[offer.peer_id] = time.monotonic() + FAILED_FOR
@@ -217,9 +234,10 @@ class Nat:
                     why = await tunnel.hold(reader, writer)
                 finally:
                     self.reserved = None
-                    self.on_endpoints(None, "")
                     await tunnel.close()
+                self.on_endpoints(None, "")  # not when cancelled: we went public meanwhile
                 log.warning("relay %s lost (%s): finding another", offer.host, why)
+                self._recheck.set()  # and is our address what it was?
                 failed[offer.peer_id] = time.monotonic() + FAILED_FOR
                 break
             else:  # every offer failed
@@ -237,8 +255,9 @@ class Nat:
                 "relaying": status(self.relay)}
 
     async def close(self) -> None:
-        for task in (self._task, self._relayed):
-            if task is not None:
-                task.cancel()
+        tasks = [t for t in (self._task, self._relayed, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.dialer.close()
         await self.relay.close()

@@ -40,6 +40,7 @@ class Half(asyncio.Protocol):
         self.on_close = on_close
         self.on_made = on_made
         self.origin = ""  # a caller's address (the relay's bound per caller)
+        self.serial = 0  # a caller's number in its reservation
         self.tamper = tamper
         self.transport: asyncio.Transport | None = None
         self.other: Half | None = None
@@ -96,7 +97,11 @@ class Half(asyncio.Protocol):
     def eof_received(self) -> bool:
         self._eof = True
         other = self.other
-        if other is not None and other.transport is not None and other.transport.can_write_eof():
+        if other is None or other.transport is None or other._eof:
+            if other is not None and other.transport is not None:
+                other.transport.close()  # both ends said all they had: done
+            return False
+        if other.transport.can_write_eof():
             other.transport.write_eof()
             return True  # half-closed: the other direction may still flow
         return False

@@ -29,6 +29,11 @@ PING_EVERY = 1.0  # s
 DEAD_AFTER = 4.0  # s without a frame from the relay
 RESERVE_TIMEOUT = 5.0
 FETCH_TIMEOUT = 5.0
+MAX_FETCHING = 64  # announced callers whose connections are being opened at once
+
+
+def _port(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Tunnel:
         self.key, self.swarm, self.offer, self.gate, self.data = key, swarm, offer, gate, data
         self.token = b""
         self.fetched = 0
+        self.fetching = 0  # connections being opened for announced callers
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def reserve(self) -> tuple[Reserved, asyncio.StreamReader, asyncio.StreamWriter]:
@@ -70,14 +76,16 @@ class Tunnel:
                 body = wire.parse(self.swarm, op, payload)
                 if op == wire.REFUSE:
                     raise wire.RelayError(f"relay refused: {body}")
-                if op != wire.RESERVED or not (isinstance(body, list) and len(body) == 4):
-                    raise wire.RelayError(f"unexpected relay answer {op}")
+                if not (op == wire.RESERVED and isinstance(body, list) and len(body) == 4
+                        and isinstance(body[0], bytes) and len(body[0]) == 16
+                        and all(_port(p) for p in body[1:3])):
+                    raise wire.RelayError(f"malformed relay answer (step {op})")
                 self.token, gport, dport, _seen = body
             except BaseException:
                 writer.close()
                 raise
-        return (Reserved(o, format_hostport(o.host, int(gport)),
-                         format_hostport(o.host, int(dport))), reader, writer)
+        return (Reserved(o, format_hostport(o.host, gport), format_hostport(o.host, dport)),
+                reader, writer)
 
     async def hold(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
         """Serve the reservation until the relay goes; why it went."""
@@ -87,6 +95,8 @@ class Tunnel:
                 async with asyncio.timeout(DEAD_AFTER):
                     op, payload = await wire.read_frame(reader)
                 if op == wire.CONNECT:
+                    if self.fetching >= MAX_FETCHING:  # a relay that announces floods
+                        return f"announced over {MAX_FETCHING} callers at once"
                     self._spawn(self._fetch(wire.parse(self.swarm, op, payload)))
                 elif op != wire.PONG:
                     return f"unexpected relay step {op}"
@@ -118,6 +128,7 @@ class Tunnel:
         n, kind, origin = body
         accept = wire.frame(self.swarm, wire.ACCEPT, [self.token, n])
         host, port = self.offer.host, self.offer.data_port
+        self.fetching += 1
         try:  # nothing is said on it before ACCEPT: the relay splices only after it
             async with asyncio.timeout(FETCH_TIMEOUT):
                 if kind == wire.DATA:
@@ -131,6 +142,8 @@ class Tunnel:
         except (OSError, TimeoutError) as exc:
             log.debug("relay: could not fetch connection %s: %r", n, exc)
             return
+        finally:
+            self.fetching -= 1
         self.fetched += 1
         await self.gate(reader, writer, f"relayed:{origin}")
 

@@ -141,3 +141,30 @@ def test_the_dialer_dials_each_address_once_at_a_time_and_within_its_rate() -> N
         assert dialer.refused >= 1 + 99 - granted
         await dialer.close()
     asyncio.run(body())
+
+
+def test_one_lying_contact_can_neither_name_our_address_nor_make_us_private() -> None:
+    async def body(answers: list[tuple[str, bool] | None]) -> reach.Verdict:
+        it = iter(answers)
+
+        async def ask(contact: object, nonce: bytes) -> tuple[str, bool] | None:
+            return next(it)
+        return await Reachability().check([object()] * len(answers), ask, ("10.0.0.5",))
+    # a liar says it saw us elsewhere and will dial (it will not); the others are busy
+    verdict = asyncio.run(body([("203.0.113.66", True), None, ("10.0.0.5", False)]))
+    assert verdict.state == reach.UNKNOWN and verdict.observed == ""
+    # nor can an empty or wildcard address pass for our own
+    verdict = asyncio.run(body([("", False), ("0.0.0.0", False)]))
+    assert verdict.state == reach.UNKNOWN
+
+
+def test_a_dial_back_needs_the_cookie_its_address_was_given() -> None:
+    async def body() -> None:
+        dialer = DialBack(None)
+        me, forger = ("192.0.2.7", 7700), ("192.0.2.8", 7700)
+        cookie = dialer.cookie(me)
+        assert dialer.cookie_ok(me, cookie)
+        assert not dialer.cookie_ok(forger, cookie)  # another address
+        assert not dialer.cookie_ok(me, b"\0" * 16)
+        await dialer.close()
+    asyncio.run(body())

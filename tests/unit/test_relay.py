@@ -4,6 +4,7 @@ peer's connections in both directions, the bounds, and a relay that goes away.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 from collections.abc import Coroutine
@@ -186,3 +187,68 @@ async def _until(cond: object) -> None:
     assert callable(cond)
     while not cond():
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_relayed_connections_that_end_free_their_slots(loop: str) -> None:
+    run(_slots_freed(), loop)
+
+
+async def _slots_freed() -> None:
+    """Callers that finish cleanly, and callers that leave before they are fetched, hold
+    nothing: 40 of each through a reservation of 16 slots."""
+    relay_key = PeerKey.generate()
+    relay = RelayServer("127.0.0.1", relay_key.peer_id, None,
+                        RelayLimits(connections=16, per_caller=16), lambda: True)
+    server = await _relay_port(relay)
+    port = server.sockets[0].getsockname()[1]
+    tunnel = Tunnel(PeerKey.generate(), None, Offer(relay_key.peer_id, "127.0.0.1", port, 0.0),
+                    _gate, _Echo)  # type: ignore[arg-type]
+    reserved, reader, writer = await tunnel.reserve()
+    held = asyncio.ensure_future(tunnel.hold(reader, writer))
+    host, dport = reserved.data.rsplit(":", 1)
+    try:
+        for _ in range(40):
+            r, w = await asyncio.open_connection(host, int(dport))
+            w.write(b"ping")
+            assert await asyncio.wait_for(r.readexactly(4), 5) == b"PING"
+            w.write_eof()
+            assert await asyncio.wait_for(r.read(), 5) == b""  # the echo side ends too
+            w.close()
+            _r2, w2 = await asyncio.open_connection(host, int(dport))
+            w2.transport.abort()  # gone before its connection is fetched
+        res = next(iter(relay.by_token.values()))
+        await asyncio.wait_for(_until(lambda: not res.live and not res.pending), 5)
+        assert relay.refused["connections"] == 0
+    finally:
+        held.cancel()
+        await tunnel.close()
+        await relay.close()
+        server.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_reservations_in_one_write_make_one_reservation(loop: str) -> None:
+    run(_one_reservation_per_connection(), loop)
+
+
+async def _one_reservation_per_connection() -> None:
+    relay_key = PeerKey.generate()
+    relay = RelayServer("127.0.0.1", relay_key.peer_id, None, RelayLimits(), lambda: True)
+    server = await _relay_port(relay)
+    port = server.sockets[0].getsockname()[1]
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"".join(wire.frame(None, wire.RESERVE,
+                                wire.reservation(PeerKey.generate(), relay_key.peer_id))
+                     for _ in range(3)))
+    steps = []
+    with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+        while True:
+            steps.append((await asyncio.wait_for(wire.read_frame(r), 5))[0])
+    # one reservation; the steps after it were no pings, so the relay dropped it, and with it
+    # its ports: nothing is left behind
+    assert steps == [wire.RESERVED]
+    await asyncio.wait_for(_until(lambda: relay.reservations == 0 and not relay.by_peer), 5)
+    w.close()
+    await relay.close()
+    server.close()
