@@ -315,10 +315,13 @@ class _DataPlaneCollector(Collector):
             "moshpitd_data_streams", "Data-plane streams, by side (opened: ours to an owner; "
             "accepted: a sender's to us) and how they started (handshake: a new connection "
             "and a signed key exchange; session: on a connection kept from an earlier stream "
-            "with the same peer, no connect and no handshake)", labels=["side", "how"])
-        for side in ("opened", "accepted"):
-            for how in ("handshake", "session"):
-                streams.add_metric([side, how], self.plane.streams.get((side, how), 0))
+            "with the same peer, no connect and no handshake; reversed: on a connection an "
+            "owner behind NAT opened to us, a handshake on a direct path)",
+            labels=["side", "how"])
+        for side, how in (("opened", "handshake"), ("opened", "session"),
+                          ("opened", "reversed"), ("accepted", "handshake"),
+                          ("accepted", "session")):
+            streams.add_metric([side, how], self.plane.streams.get((side, how), 0))
         yield streams
 
 

@@ -179,7 +179,9 @@ class MoshpitNode:
             self._set_endpoints(*self._own, unreachable=True)
         self.nat.start(grpc_host, (self.dht_addr[1], port, dport),  # its first check at once
                        gate.serve if gate is not None else _no_gate, self.registry.accept,
-                       (grpc_host, c.advertise_host, self.dht_addr[0]))
+                       self.registry.pool, (grpc_host, c.advertise_host, self.dht_addr[0]))
+        self.registry.offers = self.nat.reverse
+        self._runner.on_group = self.nat.offer_direct
 
     def _reached_at(self, reserved: Reserved | None, observed: str) -> None:
         """Where peers reach us changed (moshpitd/nat/service.py): through a relay's ports,

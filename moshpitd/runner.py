@@ -71,6 +71,7 @@ class RoundRunner:
         self.config = config
         self.me = me
         self.unreachable = False  # behind NAT with no relay yet: take part as a client
+        self.on_group: Callable[[Group], None] = lambda group: None  # a round of ours starts
         self.dht = dht
         self.pool = pool
         self.registry = registry
@@ -253,6 +254,7 @@ class RoundRunner:
 
     async def _allreduce(self, group: Group, view: FlatView, clock: RoundClock,
                          aggregation: str) -> RoundResult:
+        self.on_group(group)
         rnd = ButterflyRound(group, group.index_of(self.me.peer_id), view,
                              get_codec(group.codec), self.registry.connect,
                              self.registry.handshake, self.config.part_size, self.hooks,

@@ -26,7 +26,9 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from moshpitd.allreduce.accepted import Resume, evict
 from moshpitd.allreduce.butterfly import ButterflyRound
 from moshpitd.transport.dataplane import (
     BUSY,
@@ -43,7 +45,6 @@ from moshpitd.transport.dataplane import (
 from moshpitd.transport.handshake import Handshake, HandshakeError, Hello, UnsealedHello
 from moshpitd.transport.session import (
     ACCEPTED_IDLE_SECONDS,
-    ATTACH,
     MAX_IDLE,
     MAX_PER_PEER,
     Attach,
@@ -52,6 +53,12 @@ from moshpitd.transport.session import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class Offers(Protocol):
+    def has(self, endpoint: str, peer_id: bytes) -> bool: ...
+
+    def take(self, endpoint: str, peer_id: bytes) -> Channel | None: ...
 
 MAX_FINISHED = 4096  # ended rounds remembered, to refuse their late streams at once
 # A protocol constant, not a round's deadline: a connection that names no round within this is
@@ -138,55 +145,8 @@ class _Waiting:
     sender: int
     receiver: int
     since: float
-    sink: _Hello | _Resume | None = None
+    sink: _Hello | Resume | None = None
     timer: asyncio.TimerHandle | None = None
-
-
-class _Resume:
-    """An idle session we accepted: the next frame is the opener's ATTACH for a new stream."""
-
-    def __init__(self, registry: RoundRegistry, channel: Channel) -> None:
-        self.registry = registry
-        self.channel = channel
-        self.waiting: _Waiting | None = None
-        registry.idle[self] = asyncio.get_running_loop().call_later(
-            registry.idle_seconds, self.expire)
-
-    def expire(self) -> None:
-        self._attached()
-        self.channel.close()
-
-    def _attached(self) -> None:
-        timer = self.registry.idle.pop(self, None)
-        if timer is not None:
-            timer.cancel()
-
-    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
-        if kind != HELLO or length != ATTACH.size:
-            raise DataPlaneError(f"frame kind {kind} of {length} bytes on an idle session, "
-                                 "not an ATTACH")
-        return None
-
-    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
-        assert self.channel.transport is not None
-        self._attached()
-        attach = Attach.unpack(payload)
-        if (attach.sender, attach.receiver) != (aux, part):
-            raise DataPlaneError("the ATTACH's indices differ from its frame's")
-        self.channel.transport.pause_reading()  # until it is attached to its round
-        self.registry.route(self.channel, attach, aux, part, self)
-
-    def on_close(self, exc: BaseException | None) -> None:
-        self._attached()
-        if self.waiting is not None:
-            self.registry.forget(self.waiting)
-
-
-def _evict(idle: list[_Resume]) -> None:
-    """Close the oldest of these idle sessions that has nothing left to send (the newest may
-    still hold its last stream's final result), else the oldest."""
-    victim = next((r for r in idle if r.channel.flushed()), idle[0])
-    victim.expire()
 
 
 class _Refused(Channel):
@@ -216,8 +176,9 @@ class RoundRegistry:
         self.server: asyncio.Server | None = None
         # who takes a connection that opens with a RELAY frame (moshpitd/nat/); None: refused
         self.relay: Callable[[Channel, int, bytes], None] | None = None
+        self.offers: Offers | None = None  # connections owners behind NAT opened to us
         self.pool: SessionPool[Channel] = SessionPool()  # sessions we opened, idle
-        self.idle: OrderedDict[_Resume, asyncio.TimerHandle] = OrderedDict()  # we accepted
+        self.idle: OrderedDict[Resume, asyncio.TimerHandle] = OrderedDict()  # we accepted
         self.idle_seconds = ACCEPTED_IDLE_SECONDS
         # streams by side (opened, accepted) and how (handshake: a new connection; session:
         # on a kept one, no connect and no handshake)
@@ -248,13 +209,20 @@ class RoundRegistry:
             for entry in list(entries):
                 self.forget(entry)
 
-    async def connect(self, endpoint: str, sink: FrameSink) -> Channel:
+    async def connect(self, endpoint: str, sink: FrameSink, peer_id: bytes = b"") -> Channel:
+        offered = self.offers.take(endpoint, peer_id) if self.offers is not None else None
+        if offered is not None:  # the owner, behind NAT, dialed us (moshpitd/nat/reverse.py)
+            offered.sink = sink
+            self.streams["opened", "reversed"] += 1
+            return offered
         host, port = split_endpoint(endpoint)
         self.streams["opened", "handshake"] += 1
         return await connect(host, port, sink, self.max_payload, congestion=self.congestion)
 
     # --- sessions (transport/session.py's Sessions) ------------------------------------
     def take(self, endpoint: str, peer_id: bytes) -> Channel | None:
+        if self.offers is not None and self.offers.has(endpoint, peer_id):
+            return None  # a direct path beats a session through a relay: connect() takes it
         channel = self.pool.take(endpoint, peer_id)
         if channel is not None:
             self.streams["opened", "session"] += 1
@@ -269,13 +237,13 @@ class RoundRegistry:
             return
         peer = channel.session.peer_id
         channel.cipher = channel.session.control
-        channel.sink = _Resume(self, channel)
+        channel.sink = Resume(self, channel)
         same = [r for r in self.idle if r.channel.session is not None
                 and r.channel.session.peer_id == peer]
         if len(same) > MAX_PER_PEER:  # a member that opens a connection per round
-            _evict(same)
+            evict(same)
         while len(self.idle) > MAX_IDLE:
-            _evict(list(self.idle))
+            evict(list(self.idle))
 
     def register(self, rnd: ButterflyRound) -> None:
         """A round of ours: its streams are admitted from now on, and those already waiting
@@ -294,7 +262,7 @@ class RoundRegistry:
             del self._finished[next(iter(self._finished))]
 
     def route(self, channel: Channel, hello: Hello | Attach, sender: int, receiver: int,
-              sink: _Hello | _Resume | None = None) -> None:
+              sink: _Hello | Resume | None = None) -> None:
         """A stream whose HELLO (or ATTACH) checked out in form: to its round, or to wait for
         it."""
         now = time.monotonic()

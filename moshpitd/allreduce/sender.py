@@ -28,7 +28,7 @@ from moshpitd.transport.stats import Stats
 
 log = logging.getLogger("moshpitd.allreduce.butterfly")
 
-Connector = Callable[[str, FrameSink], Awaitable[Channel]]
+Connector = Callable[[str, FrameSink, bytes], Awaitable[Channel]]  # endpoint, sink, peer id
 
 
 class Sessions(Protocol):
@@ -170,7 +170,7 @@ class SenderSide:
                 except DataPlaneError:  # it closed as we took it
                     link.stale = True
             else:
-                channel = await self.connect(member.data_endpoint, link)
+                channel = await self.connect(member.data_endpoint, link, member.peer_id)
                 self.channels.append(channel)
                 hello, pending = self.handshake.hello(*group.route_to(link.owner), me,
                                                       link.owner)

@@ -21,14 +21,17 @@ from typing import Any
 
 from kademlia.node import Node
 
+from moshpitd.allreduce.group import Group
 from moshpitd.auth import SwarmKey
 from moshpitd.dht.network import DHTNode
 from moshpitd.identity import PeerKey
 from moshpitd.nat import wire
 from moshpitd.nat.reach import PRIVATE, PUBLIC, UNKNOWN, DialBack, Reachability, Verdict, nonce_of
 from moshpitd.nat.relay import RelayLimits, RelayServer, status
+from moshpitd.nat.reverse import Reversal
 from moshpitd.nat.tunnel import GateServe, Offer, Reserved, Tunnel
 from moshpitd.transport.dataplane import Channel
+from moshpitd.transport.session import SessionPool
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class Nat:
         self.relay = RelayServer("", dht.peer_id, swarm, relay_limits,
                                  lambda: self.relaying and self.state == PUBLIC, tamper)
         self.ports = (0, 0, 0)  # dht, grpc, data
+        self.reverse: Reversal | None = None
         self.own: tuple[str, ...] = ()
         self.reserved: Reserved | None = None
         # set unless a check is in flight or, private, we look for our first relay
@@ -72,9 +76,11 @@ class Nat:
         return self.reach.verdict.state
 
     def start(self, host: str, ports: tuple[int, int, int], gate: GateServe,
-              data: Callable[[], Channel], own: tuple[str, ...] = ()) -> None:
-        """`own`: the addresses we listen on, and advertise."""
+              data: Callable[[], Channel], pool: SessionPool[Channel],
+              own: tuple[str, ...] = ()) -> None:
+        """`own`: the addresses we listen on, and advertise; `pool`: our kept sessions."""
         self.ports, self._gate, self._data, self.own = ports, gate, data, own
+        self.reverse = Reversal(self.key, self.swarm, pool)
         self.relay.host = host  # its reservations' ports: on our own address
         self.dht.protocol.nat = self
         self._task = asyncio.ensure_future(self._run())
@@ -98,16 +104,27 @@ class Nat:
             self.relay.reserve(channel, payload)
         elif op == wire.ACCEPT:
             self.relay.accept(channel, payload)
+        elif op == wire.REVERSE and self.reverse is not None:
+            self.reverse.on_offer(channel, payload)
         else:
             nonce = nonce_of(payload, self.swarm) if op == wire.REACH else None
             if nonce is not None:
                 self.reached(nonce, "data")
             channel.abort("not a stream")
 
+    def offer_direct(self, group: Group) -> None:
+        """A round of ours starts: while relayed, offer its members direct connections."""
+        if self.reserved is not None and self.reverse is not None and self._data is not None:
+            self.reverse.offer(self.reserved.data,
+                               [(m.peer_id, m.data_endpoint) for m in group.members],
+                               self._data)
+
     # --- checking ---------------------------------------------------------------------------
     async def settled(self) -> None:
-        """Wait (boundedly) for a check in flight, so a round does not advertise an address
-        a moment before we learn nobody can reach it."""
+        """Wait (boundedly) for the first relay of a daemon told it is private. A daemon that
+        checks does not hold its rounds back for the check: grid rounds start together, and
+        one that waited would miss its first; a daemon behind NAT may lose its share of the
+        rounds of its first second or two (its span keeps local values)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(SETTLE_MAX):
                 await self.checking.wait()
@@ -118,13 +135,10 @@ class Nat:
                 self.checking.clear()  # rounds wait (boundedly) for the first relay
             self._apply(Verdict(self.mode, "set by the reachability option", "", time.time()))
             return
-        retry, first = RETRY_FIRST, True
+        retry = RETRY_FIRST
         while True:
             contacts = self.dht.contacts()
             if contacts:
-                if first:  # only the first check holds rounds back
-                    self.checking.clear()
-                first = False
                 try:
                     verdict = await self.reach.check(random.sample(contacts, len(contacts)),
                                                      self._ask, self.own)
@@ -252,7 +266,10 @@ class Nat:
                     "peer_id": self.reserved.relay.peer_id.hex(),
                     "grpc": self.reserved.grpc, "data": self.reserved.data,
                     "rtt_ms": round(self.reserved.relay.rtt * 1e3, 2)},
-                "relaying": status(self.relay)}
+                "relaying": status(self.relay),
+                "direct_offers": None if self.reverse is None else {
+                    "held": len(self.reverse.offers), "taken": self.reverse.taken,
+                    "refused": dict(self.reverse.refused)}}
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, self._relayed, *self._background) if t is not None]
@@ -261,3 +278,5 @@ class Nat:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.dialer.close()
         await self.relay.close()
+        if self.reverse is not None:
+            await self.reverse.close()

@@ -14,6 +14,7 @@ reserve nor forge a step), and at most MAX_PAYLOAD bytes. Steps:
   PING/PONG both ways on the kept connection, so a dead relay is noticed in seconds
   REFUSE    relay -> private peer: why not (then the relay closes)
   REACH     a dial-back: a nonce the checked peer gave us (moshpitd/nat/reach.py)
+  REVERSE   a private peer offers a direct connection to a member (moshpitd/nat/reverse.py)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from moshpitd.auth import AuthError, ReplayCache, SwarmKey
 from moshpitd.identity import PeerKey, peer_id_of, verify
 from moshpitd.transport.dataplane import HEADER, RELAY
 
-RESERVE, RESERVED, CONNECT, ACCEPT, PING, PONG, REFUSE, REACH = 1, 2, 3, 4, 5, 6, 7, 8
+RESERVE, RESERVED, CONNECT, ACCEPT, PING, PONG, REFUSE, REACH, REVERSE = range(1, 10)
 MAX_PAYLOAD = 1024
 SIGNED_WINDOW = 120.0  # s: how old a reservation's signature may be
 GRPC, DATA = 0, 1  # the two ports of a reservation

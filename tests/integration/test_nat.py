@@ -3,8 +3,10 @@ a port-preserving NAT and one behind a random-port NAT, every daemon on the defa
 addresses, a swarm key, a bootstrap).
 
 Each NATed daemon finds by itself that it is private (its peers' dial-backs never reach it),
-reserves a relay at a public peer, and reduces its share of every round through it: each
-result is the exact mean its masks name, and /metrics shows the bytes it reduced. Then the
+reserves a relay at a public peer, and reduces its share of every round: through the relay
+at first, then, for public senders, on connections it dialed them itself (direct paths, behind
+either NAT). Each result is the exact mean its masks name, and /metrics shows the bytes it
+reduced. Then the
 relay of one of them is killed mid-run: that peer is relayed by the other public peer within
 seconds, and the next round is exact again; so is a round between the two NATed trainers
 alone, the surviving public daemon only relaying.
@@ -123,9 +125,26 @@ def test_peers_behind_either_nat_reduce_through_relays(
         assert reach["observed"] == topo.hosts[i].public_ip  # its router's address
         relays[i] = reach["relayed_by"]["peer_id"]
     clients = [moshpit.Client(s) for s in socks]
+
+    def relayed() -> float:
+        return sum(metrics_in(topo, topo.hosts[i], daemons[i])["moshpitd_relay_bytes_total"]
+                   for i in PUBLIC)
+    before = relayed()
     exact_round(clients, "nat1", 100)
     for i in PRIVATE:
         assert metrics_in(topo, topo.hosts[i], daemons[i])["moshpitd_reduced_bytes_total"] > 0
+    # each private owner offered the others a direct connection as that round started: the
+    # public members' next streams to it run on those (or on the sessions they left), not
+    # through the relay, behind either kind of NAT
+    first = relayed() - before
+    exact_round(clients, "nat1b", 150)
+    for i in PUBLIC:
+        m = metrics_in(topo, topo.hosts[i], daemons[i])
+        assert m['moshpitd_data_streams_total{how="reversed",side="opened"}'] >= 1, m
+    # only the two private peers' streams to each other still go through relays: a third of
+    # what the first round relayed (3 senders to each private owner, then 1)
+    second = relayed() - before - first
+    assert second < 0.5 * first, (first, second)
     # kill the relay of the random-port peer (if it is the bootstrap, the other one goes)
     by_id = {d.info["peer_id"]: n for n, d in enumerate(daemons)}
     victim = by_id[relays[PRIVATE[1]]]

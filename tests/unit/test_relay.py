@@ -16,8 +16,10 @@ from moshpitd.auth import SwarmKey
 from moshpitd.identity import PeerKey
 from moshpitd.nat import wire
 from moshpitd.nat.relay import RelayLimits, RelayServer
+from moshpitd.nat.reverse import Reversal
 from moshpitd.nat.tunnel import Offer, Tunnel
 from moshpitd.transport.dataplane import RELAY, Channel
+from moshpitd.transport.session import SessionPool
 
 
 class _Port:
@@ -251,4 +253,57 @@ async def _one_reservation_per_connection() -> None:
     await asyncio.wait_for(_until(lambda: relay.reservations == 0 and not relay.by_peer), 5)
     w.close()
     await relay.close()
+    server.close()
+
+
+class _Offers:
+    """A member's data port that hands REVERSE steps to its Reversal, as the registry does."""
+
+    def __init__(self, reversal: Reversal) -> None:
+        self.reversal = reversal
+        self.channel: Channel | None = None
+
+    def buffer_for(self, kind: int, part: int, length: int, aux: int) -> memoryview | None:
+        return None
+
+    def on_frame(self, kind: int, part: int, payload: memoryview, aux: int) -> None:
+        assert self.channel is not None and aux == wire.REVERSE
+        self.reversal.on_offer(self.channel, bytes(payload))
+
+    def on_close(self, exc: BaseException | None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_private_owner_offers_members_a_direct_connection(loop: str) -> None:
+    run(_direct_offer(), loop)
+
+
+async def _direct_offer() -> None:
+    owner, member, other = PeerKey.generate(), PeerKey.generate(), PeerKey.generate()
+    theirs = Reversal(member, None, SessionPool())
+
+    def accept() -> Channel:
+        port = _Offers(theirs)
+        port.channel = Channel(port)
+        return port.channel
+    server = await asyncio.get_running_loop().create_server(accept, "127.0.0.1", 0)
+    where = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    ours = Reversal(owner, None, SessionPool())
+    ours.offer("198.51.100.1:4242", [(member.peer_id, where), (owner.peer_id, where)],
+               lambda: Channel(None))
+    ours.offer("198.51.100.1:4242", [(member.peer_id, where)], lambda: Channel(None))
+    await asyncio.wait_for(_until(lambda: theirs.has("198.51.100.1:4242", owner.peer_id)), 5)
+    assert len(theirs.offers) == 1  # one offer per member per OFFER_EVERY, none to ourselves
+    assert not theirs.has("198.51.100.1:4242", other.peer_id)
+    channel = theirs.take("198.51.100.1:4242", owner.peer_id)
+    assert channel is not None and channel.is_open() and theirs.taken == 1
+    channel.close()
+    # an offer meant for another member is refused
+    forged = Reversal(owner, None, SessionPool())
+    forged.offer("198.51.100.1:4242", [(other.peer_id, where)], lambda: Channel(None))
+    await asyncio.wait_for(_until(lambda: theirs.refused["malformed"] == 1), 5)
+    assert not theirs.offers
+    for r in (ours, theirs, forged):
+        await r.close()
     server.close()
