@@ -182,6 +182,8 @@ class MoshpitNode:
                        self.registry.pool, (grpc_host, c.advertise_host, self.dht_addr[0]))
         self.registry.offers = self.nat.reverse
         self._runner.on_group = self.nat.offer_direct
+        if not self.nat.checking.is_set():  # until the first check says: a client
+            self.runner.unreachable = True
 
     def _reached_at(self, reserved: Reserved | None, observed: str) -> None:
         """Where peers reach us changed (moshpitd/nat/service.py): through a relay's ports,

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 RECHECK = 600.0  # s between checks once known (and whenever a relay is lost)
 RETRY_FIRST, RETRY_MAX = 1.0, 30.0  # s between checks while unknown
+NO_CONTACTS_POLL = 0.5  # s between looks for a first contact
 OFFERS_ASKED = 8  # contacts asked for a relay at once
 FAILED_FOR = 30.0  # s a relay that failed us is not asked again
 NO_RELAY_WAIT = 2.0  # s before asking again when nobody offers
@@ -78,7 +79,12 @@ class Nat:
     def start(self, host: str, ports: tuple[int, int, int], gate: GateServe,
               data: Callable[[], Channel], pool: SessionPool[Channel],
               own: tuple[str, ...] = ()) -> None:
-        """`own`: the addresses we listen on, and advertise; `pool`: our kept sessions."""
+        """`own`: the addresses we listen on, and advertise; `pool`: our kept sessions. A
+        daemon that has contacts already (it bootstrapped) holds its rounds back, boundedly,
+        for its first check: it may be behind NAT, and one that declared an address nobody
+        can reach stalls everyone's matchmaking until its declaration expires."""
+        if self.mode == "auto" and self.dht.contacts():
+            self.checking.clear()
         self.ports, self._gate, self._data, self.own = ports, gate, data, own
         self.reverse = Reversal(self.key, self.swarm, pool)
         self.relay.host = host  # its reservations' ports: on our own address
@@ -121,10 +127,8 @@ class Nat:
 
     # --- checking ---------------------------------------------------------------------------
     async def settled(self) -> None:
-        """Wait (boundedly) for the first relay of a daemon told it is private. A daemon that
-        checks does not hold its rounds back for the check: grid rounds start together, and
-        one that waited would miss its first; a daemon behind NAT may lose its share of the
-        rounds of its first second or two (its span keeps local values)."""
+        """Wait (boundedly) for a first check (see `start`), and for a private daemon's
+        first relay. Only these: later checks hold no round back."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(SETTLE_MAX):
                 await self.checking.wait()
@@ -138,14 +142,16 @@ class Nat:
         retry = RETRY_FIRST
         while True:
             contacts = self.dht.contacts()
-            if contacts:
-                try:
-                    verdict = await self.reach.check(random.sample(contacts, len(contacts)),
-                                                     self._ask, self.own)
-                    self._apply(verdict)
-                finally:
-                    if self.state != PRIVATE or self.reserved is not None:
-                        self.checking.set()
+            if not contacts:  # a first daemon: check as soon as someone joins
+                await asyncio.sleep(NO_CONTACTS_POLL)
+                continue
+            try:
+                verdict = await self.reach.check(random.sample(contacts, len(contacts)),
+                                                 self._ask, self.own)
+                self._apply(verdict)
+            finally:
+                if self.state != PRIVATE or self.reserved is not None:
+                    self.checking.set()
             wait = retry if self.state == UNKNOWN else RECHECK
             retry = min(retry * 2, RETRY_MAX) if self.state == UNKNOWN else RETRY_FIRST
             with contextlib.suppress(TimeoutError):  # a lost relay asks again at once
@@ -170,9 +176,13 @@ class Nat:
 
     def _apply(self, verdict: Verdict) -> None:
         was, was_verdict = self.state, self.reach.verdict
-        if verdict.state == UNKNOWN and was != UNKNOWN:  # a check nobody took: keep what we knew
-            self.reach.verdict = was_verdict
-            log.info("reachability: still %s (a later check: %s)", was, verdict.why)
+        if verdict.state == UNKNOWN:
+            if was != UNKNOWN:  # a check nobody took: keep what we knew
+                self.reach.verdict = was_verdict
+                log.info("reachability: still %s (a later check: %s)", was, verdict.why)
+            else:  # nobody to ask: take part as the daemon always did
+                self.reach.verdict = verdict
+                self.on_endpoints(None, "")
             return
         self.reach.verdict = verdict
         if verdict.state != was:
