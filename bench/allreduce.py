@@ -85,12 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     net = p.add_argument_group("emulated links (bench/allreduce_netns.py; needs root)")
     net.add_argument("--netns", metavar="SPEC",
                      help="run every system on network namespaces with these links instead of "
-                          "loopback: host rates in Mbit/s, then rtt=MS and loss=PCT, e.g. "
-                          "200,200,20,20 or 4x100,rtt=50,loss=1 (--peers is the host count)")
-    net.add_argument("--systems", default=",".join(NETNS_SYSTEMS),
-                     help="with --netns: which systems, in this order (default: all of "
-                          f"{','.join(NETNS_SYSTEMS)}; moshpit-unchecked is check_results = "
-                          "off, moshpit-plain also data_encryption = off)")
+                          "loopback: host rates in Mbit/s, then rtt=MS, loss=PCT and nat=N, "
+                          "e.g. 200,200,20,20 or 4x100,rtt=50,loss=1 or 4x100,nat=2 (--peers "
+                          "is the host count)")
+    net.add_argument("--systems", default=",".join(s for s in NETNS_SYSTEMS
+                                                   if s != "moshpit-relayed"),
+                     help="with --netns: which systems, in this order (of "
+                          f"{','.join(NETNS_SYSTEMS)}; default all but moshpit-relayed; "
+                          "moshpit-unchecked is check_results = off, moshpit-plain also "
+                          "data_encryption = off, moshpit-relayed direct_paths = off)")
     net.add_argument("--warmup", type=positive, default=2,
                      help="with --netns: untimed rounds first (default 2: moshpit's first "
                           "round measures the links, its second uses the rates)")

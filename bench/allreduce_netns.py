@@ -11,7 +11,8 @@ one bridge (netlab): tbf caps each link, nftables drops the loss, the delayer ad
 
 Each host runs, one system after the other on the same topology: a moshpit daemon with a swarm
 key (so its data plane is encrypted and its results checked), the same with `check_results =
-off` (moshpit-unchecked: what checks cost), the same with neither (moshpit-plain), one gloo
+off` (moshpit-unchecked: what checks cost), the same with neither (moshpit-plain), the first
+with `direct_paths = off` (moshpit-relayed: with nat=N, what direct paths save), one gloo
 rank, and
 hivemind 1.1.12's DecentralizedAverager (.venv-peers). Every system averages one float32 vector
 of the same size in warm-up rounds, then timed rounds; a round's time is its slowest host's.
@@ -44,7 +45,8 @@ from moshpitd.allreduce.layout import SHARE_CAP
 from moshpitd.allreduce.spans import optimal_shares, round_time
 from netlab import LinkSpec, Topology, missing_prerequisites, parse_rate
 
-SYSTEMS = ("moshpit", "moshpit-unchecked", "moshpit-plain", "gloo", "hivemind")
+SYSTEMS = ("moshpit", "moshpit-unchecked", "moshpit-plain", "moshpit-relayed", "gloo",
+           "hivemind")
 GLOO_PORT, HIVEMIND_PORT = 29500, 7900  # one process per namespace: fixed ports
 HIVEMIND_PY = ROOT / ".venv-peers" / "bin" / "python"
 
@@ -159,7 +161,9 @@ def _rounds(out: Result, topo: Topology, kids: list[Child], warmup: int, repeat:
 def run_moshpit(topo: Topology, args: argparse.Namespace, system: str) -> Result:
     """One daemon per host with a swarm key; trainers (bench.worker) reach them over IPC.
     `moshpit` runs as the key makes it (encrypted, results checked), `moshpit-unchecked`
-    with `check_results = off`, `moshpit-plain` with neither encryption nor checks."""
+    with `check_results = off`, `moshpit-plain` with neither encryption nor checks,
+    `moshpit-relayed` as `moshpit` but with `direct_paths = off` (hosts behind NAT are reached
+    only through their relays)."""
     out = Result(system)
     encrypted = system != "moshpit-plain"
     key = topo.workdir / "swarm.key"
@@ -167,8 +171,9 @@ def run_moshpit(topo: Topology, args: argparse.Namespace, system: str) -> Result
         key.write_text(secrets.token_hex(32))
         key.chmod(0o600)
     extra = ["--swarm-key-file", str(key), "--data-encryption", "auto" if encrypted else "off",
-             "--check-results", "auto" if system == "moshpit" else "off",
-             "--log-level", args.daemon_log_level]
+             "--check-results", "auto" if system in ("moshpit", "moshpit-relayed") else "off",
+             "--log-level", args.daemon_log_level,
+             *(["--no-direct-paths"] if system == "moshpit-relayed" else [])]
     h0, *others = topo.hosts
     first = topo.start_daemon(h0, extra_args=extra, name=f"{out.system}-h1")
     daemons = [first, *(topo.start_daemon(h, [h0], extra, wait=False,

@@ -123,20 +123,20 @@ class Settings:
         "so no peer reduces more than twice an equal share of a group's vector, whatever it "
         "declares; declaring less only lowers a peer's own share.")
     client_mode: bool = option(
-        BOOL, False, AVERAGING,
-        "this peer cannot accept incoming connections (behind NAT without port forwarding): "
-        "it never leads a group and reduces nothing, but still contributes and receives the "
-        "average")
+        BOOL, False, AVERAGING, "this peer never leads a group and reduces nothing, but still "
+        "contributes and receives the average (reachability finds NAT by itself)")
     reachability: str = option(
         Choice(("auto", "public", "private")), "auto", AVERAGING,
         "auto: find out, by asking peers to dial this daemon back, whether it is public or "
         "behind NAT; public or private: take that without asking",
         note="A private daemon is a DHT client, keeps a reservation at a public peer that "
-        "relays for it and advertises the relay's ports: it still owns spans and leads (until "
-        "it holds a reservation, it takes part as in client_mode). `moshpit status` and /metrics "
-        "say which, and why.")
+        "relays for it and advertises the relay's ports: it still owns spans and leads (as in "
+        "client_mode until it holds one). `moshpit status` and /metrics say which, and why.")
     relay: bool = option(BOOL, True, AVERAGING, "relay for private peers when this daemon is "
                          "public (what a relay sees: docs/security-identity.md)")
+    direct_paths: bool = option(BOOL, True, AVERAGING, "while relayed, offer the members of "
+                                "each round connections this daemon dials (deploy/"
+                                "bootstrapping.md, Direct paths)")
     matchmaking_attempt_timeout: float = option(
         Float(0.1, 600.0, unit="s"), 5.0, AVERAGING,
         "upper bound on one matchmaking attempt, within the request's own timeout",

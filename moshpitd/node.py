@@ -181,7 +181,8 @@ class MoshpitNode:
                        gate.serve if gate is not None else _no_gate, self.registry.accept,
                        self.registry.pool, (grpc_host, c.advertise_host, self.dht_addr[0]))
         self.registry.offers = self.nat.reverse
-        self._runner.on_group = self.nat.offer_direct
+        if c.direct_paths:
+            self._runner.on_group = self.nat.offer_direct
         if not self.nat.checking.is_set():  # until the first check says: a client
             self.runner.unreachable = True
 
