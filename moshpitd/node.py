@@ -33,7 +33,7 @@ from moshpitd.matchmaking.signing import (
 from moshpitd.metrics import Metrics
 from moshpitd.nat.relay import RelayLimits
 from moshpitd.nat.service import Nat
-from moshpitd.nat.tunnel import Reserved
+from moshpitd.nat.tunnel import Reserved, no_gate
 from moshpitd.node_config import NodeConfig, ShuttingDown, format_hostport
 from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog
@@ -178,8 +178,9 @@ class MoshpitNode:
         if c.reachability == "private":  # a client until its first relay
             self._set_endpoints(*self._own, unreachable=True)
         self.nat.start(grpc_host, (self.dht_addr[1], port, dport),  # its first check at once
-                       gate.serve if gate is not None else _no_gate, self.registry.accept,
-                       self.registry.pool, (grpc_host, c.advertise_host, self.dht_addr[0]))
+                       gate.serve if gate is not None else no_gate, self.registry.accept,
+                       self.registry.pool, (grpc_host, c.advertise_host, self.dht_addr[0]),
+                       lambda: [r.channel for r in self.registry.idle])
         self.registry.offers = self.nat.reverse
         if c.direct_paths:
             self._runner.on_group = self.nat.offer_direct
@@ -187,8 +188,8 @@ class MoshpitNode:
             self.runner.unreachable = True
 
     def _reached_at(self, reserved: Reserved | None, observed: str) -> None:
-        """Where peers reach us changed (moshpitd/nat/service.py): through a relay's ports,
-        or our own (at the address the reachability check saw, unless the operator named one)."""
+        """Peers reach us through a relay's ports, or our own (at the address the check saw,
+        unless the operator named one): moshpitd/nat/service.py."""
         grpc, data = self._own
         if reserved is not None:
             grpc, data = reserved.grpc, reserved.data
@@ -393,9 +394,3 @@ class MoshpitNode:
             return
         async for response in mm.handle_join(request, binding, self.joins):
             yield response
-
-
-
-async def _no_gate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   address: str) -> None:
-    writer.close()

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from kademlia.node import Node
@@ -78,7 +78,8 @@ class Nat:
 
     def start(self, host: str, ports: tuple[int, int, int], gate: GateServe,
               data: Callable[[], Channel], pool: SessionPool[Channel],
-              own: tuple[str, ...] = ()) -> None:
+              own: tuple[str, ...] = (), accepted: Callable[[], Iterable[Channel]] = tuple
+              ) -> None:
         """`own`: the addresses we listen on, and advertise; `pool`: our kept sessions. A
         daemon that has contacts already (it bootstrapped) holds its rounds back, boundedly,
         for its first check: it may be behind NAT, and one that declared an address nobody
@@ -86,6 +87,7 @@ class Nat:
         if self.mode == "auto" and self.dht.contacts():
             self.checking.clear()
         self.ports, self._gate, self._data, self.own = ports, gate, data, own
+        self._accepted = accepted  # idle sessions members opened to us
         self.reverse = Reversal(self.key, self.swarm, pool)
         self.relay.host = host  # its reservations' ports: on our own address
         self.dht.protocol.nat = self
@@ -120,10 +122,14 @@ class Nat:
 
     def offer_direct(self, group: Group) -> None:
         """A round of ours starts: while relayed, offer its members direct connections."""
-        if self.reserved is not None and self.reverse is not None and self._data is not None:
-            self.reverse.offer(self.reserved.data,
-                               [(m.peer_id, m.data_endpoint) for m in group.members],
-                               self._data)
+        if self.reserved is None or self.reverse is None or self._data is None:
+            return
+        relay = self.reserved.relay.host
+        direct = {c.session.peer_id for c in self._accepted()  # from last round: no need
+                  if c.session is not None and _host(c) not in ("", relay)}
+        self.reverse.offer(self.reserved.data, [(m.peer_id, m.data_endpoint)
+                                                for m in group.members
+                                                if m.peer_id not in direct], self._data)
 
     # --- checking ---------------------------------------------------------------------------
     async def settled(self) -> None:
@@ -290,3 +296,8 @@ class Nat:
         await self.relay.close()
         if self.reverse is not None:
             await self.reverse.close()
+
+
+def _host(channel: Channel) -> str:
+    peer = channel.transport.get_extra_info("peername") if channel.transport else None
+    return str(peer[0]) if peer else ""

@@ -54,6 +54,12 @@ class Reserved:
 GateServe = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
 
 
+async def no_gate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, origin: str
+                  ) -> None:
+    """Where relayed gRPC connections go when the daemon has no gate (none are served)."""
+    writer.close()
+
+
 class Tunnel:
     """One reservation, for as long as the relay keeps it."""
 
