@@ -12,7 +12,8 @@ The NAT requests:
       cookie, whether we dial that ip back on those ports (moshpitd/nat/reach.py, DialBack;
       False: too busy);
   reached(nonce): a dial-back datagram, sent from a port the checked peer never talked to;
-  relay(nodeid) -> our data port if we take reservations now, else None.
+  relay(nodeid) -> [our data port, reservations we hold] if we take reservations now, else
+      None.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class NatHandlers(Protocol):
     def dial_back(self, sender: tuple[str, int], nonce: bytes, ports: tuple[int, int, int],
                   cookie: bytes) -> bool | bytes: ...
     def reached(self, nonce: bytes, kind: str) -> None: ...
-    def relay_port(self) -> int | None: ...
+    def relay_offer(self) -> list[int] | None: ...
 
 
 class Outgoing:
@@ -78,5 +79,5 @@ class NatRPCs:
         self.nat.reached(nonce, "dht")
         return True
 
-    def rpc_relay(self, sender: tuple[str, int], nodeid: bytes) -> int | None:
-        return None if self.nat is None else self.nat.relay_port()
+    def rpc_relay(self, sender: tuple[str, int], nodeid: bytes) -> list[int] | None:
+        return None if self.nat is None else self.nat.relay_offer()

@@ -103,8 +103,10 @@ class Nat:
     def reached(self, nonce: bytes, kind: str) -> None:
         self.reach.reached(nonce, kind)
 
-    def relay_port(self) -> int | None:
-        return self.ports[2] if self.relaying and self.state == PUBLIC else None
+    def relay_offer(self) -> list[int] | None:
+        if not (self.relaying and self.state == PUBLIC):
+            return None
+        return [self.ports[2], self.relay.reservations]
 
     def on_relay_step(self, channel: Channel, op: int, payload: bytes) -> None:
         """The first frame of a connection to our data port was a RELAY step."""
@@ -227,13 +229,17 @@ class Nat:
 
         async def ask(node: Node) -> Offer | None:
             start = time.monotonic()
-            ok, port = await proto.relay((node.ip, node.port), proto.source_node.id)
-            if ok and isinstance(port, int) and 0 < port < 65536:
-                return Offer(bytes(node.id), node.ip, port, time.monotonic() - start)
+            ok, offer = await proto.relay((node.ip, node.port), proto.source_node.id)
+            if (ok and isinstance(offer, list) and len(offer) == 2
+                    and all(isinstance(x, int) for x in offer) and 0 < offer[0] < 65536):
+                return Offer(bytes(node.id), node.ip, offer[0], time.monotonic() - start,
+                             offer[1])
             return None
 
         answers = await asyncio.gather(*(ask(n) for n in nodes[:OFFERS_ASKED]))
-        return sorted((a for a in answers if a is not None), key=lambda o: o.rtt)
+        # the least loaded first (a relay's link carries its peers' traffic besides its own),
+        # then the nearest
+        return sorted((a for a in answers if a is not None), key=lambda o: (o.load, o.rtt))
 
     async def _keep_relayed(self) -> None:
         assert self._gate is not None and self._data is not None

@@ -1,11 +1,12 @@
 """The private peer's side of a relay: a kept reservation, and the connections it fetches.
 
-We hold one reservation at a time, at the public peer that answered our offer request fastest
-(moshpitd/nat/service.py asks), and advertise its two ports as our own gRPC and data
-endpoints. For each caller it announces we open a fresh connection to its data port, say
-ACCEPT, and hand the connection to our own gate (gRPC) or data plane as if we had accepted it:
-from there nothing knows it came through a relay. Pings every PING_EVERY; a relay silent for
-DEAD_AFTER, or whose connection ends, is replaced at once by the next fastest.
+We hold one reservation at a time, at the public peer with the fewest reservations that
+answered our offer request, the fastest of those (moshpitd/nat/service.py asks), and advertise
+its two ports as our own gRPC and data endpoints. For each caller it announces we open a fresh
+connection to its data port, say ACCEPT, and hand the connection to our own gate (gRPC) or
+data plane as if we had accepted it: from there nothing knows it came through a relay. Pings
+every PING_EVERY; a relay silent for DEAD_AFTER, or whose connection ends, is replaced at once
+by the next one.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Offer:
     host: str
     data_port: int
     rtt: float  # s, of the offer request
+    load: int = 0  # reservations the relay held when it offered
 
 
 @dataclass(frozen=True)
