@@ -184,7 +184,7 @@ class MoshpitNode:
         self.registry.offers = self.nat.reverse
         if c.direct_paths:
             self._runner.on_group = self.nat.offer_direct
-        if not self.nat.checking.is_set():  # until the first check says: a client
+        if self.nat.first_pending:  # until the first check says: a client
             self.runner.unreachable = True
 
     def _reached_at(self, reserved: Reserved | None, observed: str) -> None:

@@ -59,6 +59,7 @@ class Nat:
         self.relay = RelayServer("", dht.peer_id, swarm, relay_limits,
                                  lambda: self.relaying and self.state == PUBLIC, tamper)
         self.ports = (0, 0, 0)  # dht, grpc, data
+        self.first_pending = False  # a first check is due: we are a client until it says
         self.reverse: Reversal | None = None
         self.own: tuple[str, ...] = ()
         self.reserved: Reserved | None = None
@@ -81,11 +82,11 @@ class Nat:
               own: tuple[str, ...] = (), accepted: Callable[[], Iterable[Channel]] = tuple
               ) -> None:
         """`own`: the addresses we listen on, and advertise; `pool`: our kept sessions. A
-        daemon that has contacts already (it bootstrapped) holds its rounds back, boundedly,
-        for its first check: it may be behind NAT, and one that declared an address nobody
-        can reach stalls everyone's matchmaking until its declaration expires."""
-        if self.mode == "auto" and self.dht.contacts():
-            self.checking.clear()
+        daemon that has contacts already (it bootstrapped) takes part as a client until its
+        first check (`first_pending`): it may be behind NAT, and one that declared an address
+        nobody can reach stalled everyone's matchmaking until its declaration expired. It does
+        not hold its rounds back: grid rounds start together."""
+        self.first_pending = self.mode == "auto" and bool(self.dht.contacts())
         self.ports, self._gate, self._data, self.own = ports, gate, data, own
         self._accepted = accepted  # idle sessions members opened to us
         self.reverse = Reversal(self.key, self.swarm, pool)
@@ -135,8 +136,7 @@ class Nat:
 
     # --- checking ---------------------------------------------------------------------------
     async def settled(self) -> None:
-        """Wait (boundedly) for a first check (see `start`), and for a private daemon's
-        first relay. Only these: later checks hold no round back."""
+        """Wait (boundedly) for the first relay of a daemon told it is private."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(SETTLE_MAX):
                 await self.checking.wait()
@@ -156,6 +156,7 @@ class Nat:
             try:
                 verdict = await self.reach.check(random.sample(contacts, len(contacts)),
                                                  self._ask, self.own)
+                self.first_pending = False
                 self._apply(verdict)
             finally:
                 if self.state != PRIVATE or self.reserved is not None:
@@ -177,6 +178,8 @@ class Nat:
             if not (ok and isinstance(answer, list) and len(answer) == 3
                     and isinstance(answer[0], str)):
                 return None
+            if answer[0] in self.own:  # no NAT between us: no dial-back needed
+                return answer[0], False
             if not isinstance(answer[2], bytes):
                 return answer[0], answer[2] is True
             cookie = answer[2][:16]
