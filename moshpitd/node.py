@@ -56,6 +56,7 @@ REJOIN_CHECK = 5.0  # s between checks once we have contacts
 DRAIN_CLEANUP = 1.0  # s for cancelled requests' cleanup (a grid run's last declaration)
 DRAIN_WITHDRAW = 1.5  # s for DHT withdrawals; what is left expires by TTL
 STOP_GRACE = 0.5  # s for in-flight gRPC calls when stopping
+FIRST_CHECK = 5.0  # s a bootstrapped daemon's start waits for its first reachability verdict
 
 
 class MoshpitNode:
@@ -156,6 +157,7 @@ class MoshpitNode:
     async def start(self) -> None:
         c = self.config
         self.dht_addr = await self.dht.start(*c.dht_listen)
+        self.dht.protocol.nat = self.nat  # peers' reachability checks, from the first datagram
         grpc_host, grpc_port = c.grpc_listen
         port = await self.server.start(grpc_host, grpc_port)
         self.grpc_endpoint = format_hostport(c.advertise_host or grpc_host, port)
@@ -186,6 +188,7 @@ class MoshpitNode:
             self._runner.on_group = self.nat.offer_direct
         if self.nat.first_pending:  # until the first check says: a client
             self.runner.unreachable = True
+            await self.nat.first_check(FIRST_CHECK)
 
     def _reached_at(self, reserved: Reserved | None, observed: str) -> None:
         """Peers reach us through a relay's ports, or our own (at the address the check saw,

@@ -60,6 +60,7 @@ class Nat:
                                  lambda: self.relaying and self.state == PUBLIC, tamper)
         self.ports = (0, 0, 0)  # dht, grpc, data
         self.first_pending = False  # a first check is due: we are a client until it says
+        self.first_done = asyncio.Event()
         self.reverse: Reversal | None = None
         self.own: tuple[str, ...] = ()
         self.reserved: Reserved | None = None
@@ -91,7 +92,6 @@ class Nat:
         self._accepted = accepted  # idle sessions members opened to us
         self.reverse = Reversal(self.key, self.swarm, pool)
         self.relay.host = host  # its reservations' ports: on our own address
-        self.dht.protocol.nat = self
         self._task = asyncio.ensure_future(self._run())
 
     # --- the DHT's NAT requests (dht/clients.py) and the data port's relay steps -------------
@@ -135,6 +135,15 @@ class Nat:
                                                 if m.peer_id not in direct], self._data)
 
     # --- checking ---------------------------------------------------------------------------
+    async def first_check(self, timeout: float) -> None:
+        """Wait (boundedly) for the first verdict of a bootstrapped daemon: at start, before
+        it says it is ready, so its first rounds know what it is (on a LAN this is one DHT
+        request per contact; behind NAT the dial-backs' wait)."""
+        if self.first_pending:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self.first_done.wait()
+
     async def settled(self) -> None:
         """Wait (boundedly) for the first relay of a daemon told it is private."""
         with contextlib.suppress(TimeoutError):
@@ -158,6 +167,7 @@ class Nat:
                                                  self._ask, self.own)
                 self.first_pending = False
                 self._apply(verdict)
+                self.first_done.set()
             finally:
                 if self.state != PRIVATE or self.reserved is not None:
                     self.checking.set()

@@ -39,7 +39,10 @@ def swarm(tmp_path: Path, swarm_factory: Callable[..., LocalSwarm]) -> LocalSwar
     key.write_bytes(os.urandom(32).hex().encode() + b"\n")
     key.chmod(0o600)
     return swarm_factory(PEERS, extra_args=["--swarm-key-file", str(key), "--bandwidth", "100"],
-                         env_by_index={i: {"MOSHPITD_REACHABILITY": "private"}
+                         env_by_index={i: {"MOSHPITD_REACHABILITY": "private",
+                                           # everything through the relays (direct paths:
+                                           # tests/integration/test_nat.py)
+                                           "MOSHPITD_DIRECT_PATHS": "false"}
                                        for i in PRIVATE})
 
 
@@ -106,7 +109,8 @@ def test_a_relay_that_tampers_is_caught_and_nothing_it_touched_is_averaged(
                           env_by_index={0: {"MOSHPITD_FAULT": "tamper-relay",
                                             "MOSHPITD_FAULT_MARKER": str(marker)},
                                         1: {"MOSHPITD_RELAY": "false"},
-                                        2: {"MOSHPITD_REACHABILITY": "private"}})
+                                        2: {"MOSHPITD_REACHABILITY": "private",
+                                            "MOSHPITD_DIRECT_PATHS": "false"}})
     clients = [moshpit.Client(s) for s in swarm.sockets]
     by = wait_until(lambda: relayed(clients[2]), 20, "daemon 2 relayed")
     assert by["peer_id"] == swarm.daemons[0].info["peer_id"]  # the only one that relays
