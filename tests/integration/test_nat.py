@@ -142,9 +142,11 @@ def test_peers_behind_either_nat_reduce_through_relays(
         m = metrics_in(topo, topo.hosts[i], daemons[i])
         assert m['moshpitd_data_streams_total{how="reversed",side="opened"}'] >= 1, m
     # only the two private peers' streams to each other still go through relays: a third of
-    # what the first round relayed (3 senders to each private owner, then 1)
+    # what a round relays without direct paths (3 senders to each private owner, parts and
+    # results; the first round may already have used some offers)
     second = relayed() - before - first
-    assert second < 0.5 * first, (first, second)
+    without = len(PRIVATE) * (len(NATS) - 1) * 2 * ELEMS * 4 / len(NATS)
+    assert second < 0.5 * without, (first, second, without)
     # kill the relay of the random-port peer (if it is the bootstrap, the other one goes)
     by_id = {d.info["peer_id"]: n for n, d in enumerate(daemons)}
     victim = by_id[relays[PRIVATE[1]]]
