@@ -196,7 +196,7 @@ class MoshpitNode:
         grpc, data = self._own
         if reserved is not None:
             grpc, data = reserved.grpc, reserved.data
-        elif observed and "advertise_host" not in self.config.sources and "," not in observed:
+        elif observed and "advertise_host" not in self.config.sources:
             grpc = format_hostport(observed, int(grpc.rpartition(":")[2]))
             data = format_hostport(observed, int(data.rpartition(":")[2]))
         self._set_endpoints(grpc, data, unreachable=reserved is None and self.nat.state ==

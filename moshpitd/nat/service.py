@@ -64,9 +64,9 @@ class Nat:
         self.reverse: Reversal | None = None
         self.own: tuple[str, ...] = ()
         self.reserved: Reserved | None = None
-        # set unless a check is in flight or, private, we look for our first relay
-        self.checking = asyncio.Event()
-        self.checking.set()
+        # cleared while a daemon told it is private looks for its first relay
+        self.first_relay = asyncio.Event()
+        self.first_relay.set()
         self._gate: GateServe | None = None
         self._data: Callable[[], Channel] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -134,7 +134,7 @@ class Nat:
                                                 for m in group.members
                                                 if m.peer_id not in direct], self._data)
 
-    # --- checking ---------------------------------------------------------------------------
+    # --- checks ---------------------------------------------------------------------------
     async def first_check(self, timeout: float) -> None:
         """Wait (boundedly) for the first verdict of a bootstrapped daemon: at start, before
         it says it is ready, so its first rounds know what it is (on a LAN this is one DHT
@@ -148,12 +148,12 @@ class Nat:
         """Wait (boundedly) for the first relay of a daemon told it is private."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(SETTLE_MAX):
-                await self.checking.wait()
+                await self.first_relay.wait()
 
     async def _run(self) -> None:
         if self.mode != "auto":
             if self.mode == PRIVATE:
-                self.checking.clear()  # rounds wait (boundedly) for the first relay
+                self.first_relay.clear()  # rounds wait (boundedly) for the first relay
             self._apply(Verdict(self.mode, "set by the reachability option", "", time.time()))
             return
         retry = RETRY_FIRST
@@ -162,15 +162,11 @@ class Nat:
             if not contacts:  # a first daemon: check as soon as someone joins
                 await asyncio.sleep(NO_CONTACTS_POLL)
                 continue
-            try:
-                verdict = await self.reach.check(random.sample(contacts, len(contacts)),
-                                                 self._ask, self.own)
-                self.first_pending = False
-                self._apply(verdict)
-                self.first_done.set()
-            finally:
-                if self.state != PRIVATE or self.reserved is not None:
-                    self.checking.set()
+            verdict = await self.reach.check(random.sample(contacts, len(contacts)),
+                                             self._ask, self.own)
+            self.first_pending = False
+            self._apply(verdict)
+            self.first_done.set()
             wait = retry if self.state == UNKNOWN else RECHECK
             retry = min(retry * 2, RETRY_MAX) if self.state == UNKNOWN else RETRY_FIRST
             with contextlib.suppress(TimeoutError):  # a lost relay asks again at once
@@ -260,7 +256,7 @@ class Nat:
         while True:
             offers = await self._offers(failed)
             if not offers:
-                self.checking.set()  # nothing to wait for
+                self.first_relay.set()  # nothing to wait for
                 log.warning("reachability: private, and no public peer offers to relay: "
                             "taking part as a client")
                 await asyncio.sleep(NO_RELAY_WAIT)
@@ -278,7 +274,7 @@ class Nat:
                 log.info("relayed through %s (round trip %.1f ms): peers reach us at %s and %s",
                          offer.host, offer.rtt * 1e3, reserved.grpc, reserved.data)
                 self.on_endpoints(reserved, "")
-                self.checking.set()
+                self.first_relay.set()
                 try:
                     why = await tunnel.hold(reader, writer)
                 finally:
@@ -290,7 +286,7 @@ class Nat:
                 failed[offer.peer_id] = time.monotonic() + FAILED_FOR
                 break
             else:  # every offer failed
-                self.checking.set()
+                self.first_relay.set()
                 await asyncio.sleep(NO_RELAY_WAIT)
 
     def status(self) -> dict[str, Any]:

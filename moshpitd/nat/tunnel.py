@@ -69,7 +69,6 @@ class Tunnel:
                  data: Callable[[], Channel]) -> None:
         self.key, self.swarm, self.offer, self.gate, self.data = key, swarm, offer, gate, data
         self.token = b""
-        self.fetched = 0
         self.fetching = 0  # connections being opened for announced callers
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -143,7 +142,6 @@ class Tunnel:
                     transport, _ = await asyncio.get_running_loop().create_connection(
                         self.data, host, port)
                     transport.write(accept)
-                    self.fetched += 1
                     return
                 reader, writer = await asyncio.open_connection(host, port)
                 writer.write(accept)
@@ -152,7 +150,6 @@ class Tunnel:
             return
         finally:
             self.fetching -= 1
-        self.fetched += 1
         await self.gate(reader, writer, f"relayed:{origin}")
 
     async def close(self) -> None:

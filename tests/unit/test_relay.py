@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -44,12 +44,24 @@ class _Port:
         pass
 
 
-async def _relay_port(relay: RelayServer) -> asyncio.Server:
+async def _relay(swarm: SwarmKey | None = None, limits: RelayLimits | None = None,
+                 willing: Callable[[], bool] = lambda: True
+                 ) -> tuple[RelayServer, asyncio.Server, Offer]:
+    """A relay on loopback behind a data port, and the offer a private peer would get of it."""
+    relay_id = PeerKey.generate().peer_id
+    relay = RelayServer("127.0.0.1", relay_id, swarm, limits or RelayLimits(), willing)
+
     def accept() -> Channel:
         port = _Port(relay)
         port.channel = Channel(port)
         return port.channel
-    return await asyncio.get_running_loop().create_server(accept, "127.0.0.1", 0)
+    server = await asyncio.get_running_loop().create_server(accept, "127.0.0.1", 0)
+    return relay, server, Offer(relay_id, "127.0.0.1", server.sockets[0].getsockname()[1], 0.0)
+
+
+def _tunnel(offer: Offer, swarm: SwarmKey | None = None) -> Tunnel:
+    """A private peer's side, with _Echo as its data plane and _gate as its gate."""
+    return Tunnel(PeerKey.generate(), swarm, offer, _gate, _Echo)  # type: ignore[arg-type]
 
 
 class _Echo(asyncio.Protocol):
@@ -89,12 +101,8 @@ def test_callers_reach_the_private_peer_through_its_reservation(
 
 
 async def _callers_reach(swarm: SwarmKey | None) -> None:
-    relay_key = PeerKey.generate()
-    relay = RelayServer("127.0.0.1", relay_key.peer_id, swarm, RelayLimits(), lambda: True)
-    server = await _relay_port(relay)
-    port = server.sockets[0].getsockname()[1]
-    tunnel = Tunnel(PeerKey.generate(), swarm, Offer(relay_key.peer_id, "127.0.0.1", port, 0.0),
-                    _gate, _Echo)  # type: ignore[arg-type]
+    relay, server, offer = await _relay(swarm)
+    tunnel = _tunnel(offer, swarm)
     reserved, reader, writer = await tunnel.reserve()
     held = asyncio.ensure_future(tunnel.hold(reader, writer))
     try:
@@ -124,13 +132,8 @@ def test_a_reservation_without_the_swarm_key_is_refused(loop: str) -> None:
 
 
 async def _a_reservation_without_the_swarm_key_is_refused() -> None:
-    relay_key = PeerKey.generate()
-    relay = RelayServer("127.0.0.1", relay_key.peer_id, SwarmKey(os.urandom(32)), RelayLimits(),
-                        lambda: True)
-    server = await _relay_port(relay)
-    port = server.sockets[0].getsockname()[1]
-    tunnel = Tunnel(PeerKey.generate(), SwarmKey(os.urandom(32)),
-                    Offer(relay_key.peer_id, "127.0.0.1", port, 0.0), _gate, _Echo)  # type: ignore[arg-type]
+    relay, server, offer = await _relay(SwarmKey(os.urandom(32)))
+    tunnel = _tunnel(offer, SwarmKey(os.urandom(32)))
     with pytest.raises((wire.RelayError, asyncio.IncompleteReadError)):
         await tunnel.reserve()
     assert relay.reservations == 0 and relay.refused["malformed"] == 1
@@ -144,22 +147,17 @@ def test_a_full_relay_refuses_and_an_unwilling_one_too(loop: str) -> None:
 
 
 async def _a_full_relay_refuses_and_an_unwilling_one_too() -> None:
-    relay_key = PeerKey.generate()
     willing = True
-    relay = RelayServer("127.0.0.1", relay_key.peer_id, None, RelayLimits(reservations=1),
-                        lambda: willing)
-    server = await _relay_port(relay)
-    port = server.sockets[0].getsockname()[1]
-    offer = Offer(relay_key.peer_id, "127.0.0.1", port, 0.0)
-    first = Tunnel(PeerKey.generate(), None, offer, _gate, _Echo)  # type: ignore[arg-type]
-    _, _, w1 = await first.reserve()
+    relay, server, offer = await _relay(limits=RelayLimits(reservations=1),
+                                        willing=lambda: willing)
+    _, _, w1 = await _tunnel(offer).reserve()
     with pytest.raises(wire.RelayError, match="full"):
-        await Tunnel(PeerKey.generate(), None, offer, _gate, _Echo).reserve()  # type: ignore[arg-type]
+        await _tunnel(offer).reserve()
     w1.close()
     await asyncio.wait_for(_until(lambda: relay.reservations == 0), 5)
     willing = False
     with pytest.raises(wire.RelayError, match="does not relay"):
-        await Tunnel(PeerKey.generate(), None, offer, _gate, _Echo).reserve()  # type: ignore[arg-type]
+        await _tunnel(offer).reserve()
     assert relay.refused["full"] == 1 and relay.refused["unwilling"] == 1
     await relay.close()
     server.close()
@@ -171,12 +169,8 @@ def test_the_private_peer_hears_at_once_that_its_relay_went(loop: str) -> None:
 
 
 async def _the_private_peer_hears_at_once_that_its_relay_went() -> None:
-    relay_key = PeerKey.generate()
-    relay = RelayServer("127.0.0.1", relay_key.peer_id, None, RelayLimits(), lambda: True)
-    server = await _relay_port(relay)
-    port = server.sockets[0].getsockname()[1]
-    tunnel = Tunnel(PeerKey.generate(), None, Offer(relay_key.peer_id, "127.0.0.1", port, 0.0),
-                    _gate, _Echo)  # type: ignore[arg-type]
+    relay, server, offer = await _relay()
+    tunnel = _tunnel(offer)
     _, reader, writer = await tunnel.reserve()
     held = asyncio.ensure_future(tunnel.hold(reader, writer))
     await relay.close()
@@ -199,13 +193,8 @@ def test_relayed_connections_that_end_free_their_slots(loop: str) -> None:
 async def _slots_freed() -> None:
     """Callers that finish cleanly, and callers that leave before they are fetched, hold
     nothing: 40 of each through a reservation of 16 slots."""
-    relay_key = PeerKey.generate()
-    relay = RelayServer("127.0.0.1", relay_key.peer_id, None,
-                        RelayLimits(connections=16, per_caller=16), lambda: True)
-    server = await _relay_port(relay)
-    port = server.sockets[0].getsockname()[1]
-    tunnel = Tunnel(PeerKey.generate(), None, Offer(relay_key.peer_id, "127.0.0.1", port, 0.0),
-                    _gate, _Echo)  # type: ignore[arg-type]
+    relay, server, offer = await _relay(limits=RelayLimits(connections=16, per_caller=16))
+    tunnel = _tunnel(offer)
     reserved, reader, writer = await tunnel.reserve()
     held = asyncio.ensure_future(tunnel.hold(reader, writer))
     host, dport = reserved.data.rsplit(":", 1)
@@ -235,13 +224,10 @@ def test_reservations_in_one_write_make_one_reservation(loop: str) -> None:
 
 
 async def _one_reservation_per_connection() -> None:
-    relay_key = PeerKey.generate()
-    relay = RelayServer("127.0.0.1", relay_key.peer_id, None, RelayLimits(), lambda: True)
-    server = await _relay_port(relay)
-    port = server.sockets[0].getsockname()[1]
-    r, w = await asyncio.open_connection("127.0.0.1", port)
+    relay, server, offer = await _relay()
+    r, w = await asyncio.open_connection(offer.host, offer.data_port)
     w.write(b"".join(wire.frame(None, wire.RESERVE,
-                                wire.reservation(PeerKey.generate(), relay_key.peer_id))
+                                wire.reservation(PeerKey.generate(), offer.peer_id))
                      for _ in range(3)))
     steps = []
     with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
