@@ -104,6 +104,7 @@ class Result:
     delayer_cpu: list[float] = field(default_factory=list)
     warmup: list[float] = field(default_factory=list)
     partial: int = 0
+    failed: int = 0
     max_error: float = 0.0
     note: str = ""
 
@@ -136,6 +137,12 @@ def _rounds(out: Result, topo: Topology, kids: list[Child], warmup: int, repeat:
             k.send(f"go {out.system}-{rep}")
         replies = _answers(kids, timeout + 30.0)
         cpu, dly = cpu_seconds(pids) - cpu, _delayers(topo) - dly
+        failed = [f"{k.name}: {r['failed']}" for k, r in zip(kids, replies, strict=True)
+                  if "failed" in r]
+        if failed:  # a rival's round that gave up: counted, not timed, and the run goes on
+            _log(f"{out.system} round {rep} failed: " + "; ".join(failed))
+            out.failed += rep >= warmup
+            continue
         seconds = max(r["seconds"] for r in replies)
         # a moshpit round may hold every member yet cut a late sender's parts short
         full = (min(r["group_size"] for r in replies) == len(kids)
@@ -266,6 +273,7 @@ def run_hivemind(topo: Topology, args: argparse.Namespace) -> Result:
 def summarize(res: Result, b: dict[str, float], gloo: float | None) -> dict[str, Any]:
     row: dict[str, Any] = {"system": res.system, "note": res.note, "samples_s": res.seconds,
                            "warmup_s": res.warmup, "partial_rounds": res.partial,
+                           "failed_rounds": res.failed,
                            "max_error": res.max_error}
     if not res.seconds:
         return row
@@ -292,7 +300,7 @@ def report(out: dict[str, Any]) -> None:
             ("max_s", "max s"), ("matchmaking_s", "match s"), ("allreduce_s", "reduce s"),
             ("allreduce_link_use", "reduce/bound"), ("x_optimum", "x bound"),
             ("x_gloo", "x gloo"), ("daemon_cpu_s", "cpu s"), ("delayer_cpu_s", "delayer s"),
-            ("partial_rounds", "partial")]
+            ("partial_rounds", "partial"), ("failed_rounds", "failed")]
     cells = [[t for _, t in cols]]
     for r in out["rows"]:
         cells.append([fmt(r.get(k), k == "allreduce_link_use") for k, _ in cols])
@@ -316,8 +324,9 @@ def report(out: dict[str, Any]) -> None:
           "reduce s; cpu = CPU\nseconds of the daemons (moshpit) or workers (gloo: -) per "
           "round; delayer = the link\nemulation's CPU per round; partial = timed rounds that "
           "did not average\nevery host's whole vector (a split group, or parts cut at the "
-          "deadline); encryption:\nmoshpit and moshpit-unchecked on, moshpit-plain off; "
-          "checked results: moshpit only.")
+          "deadline); failed = timed rounds a system gave up on (hivemind's step\ntimed out "
+          "or found no group): not timed; encryption: moshpit and moshpit-unchecked\non, "
+          "moshpit-plain off; checked results: moshpit only.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -351,12 +360,16 @@ def main(args: argparse.Namespace) -> int:
                 if any(nats) and system in ("gloo", "hivemind"):
                     _log(f"{system}: not run: behind NAT, its ranks cannot accept connections")
                     continue
-                if system == "gloo":
-                    results.append(run_gloo(topo, args))
-                elif system == "hivemind":
-                    results.append(run_hivemind(topo, args))
-                else:
-                    results.append(run_moshpit(topo, args, system))
+                try:
+                    if system == "gloo":
+                        results.append(run_gloo(topo, args))
+                    elif system == "hivemind":
+                        results.append(run_hivemind(topo, args))
+                    else:
+                        results.append(run_moshpit(topo, args, system))
+                except BenchError as exc:  # one system's failure is its row, not the bench's
+                    _log(f"{system} failed: {exc}")
+                    results.append(Result(system, note=f"failed: {str(exc)[:300]}"))
     except BenchError as exc:
         print(f"bench.allreduce: {exc}", file=sys.stderr)
         return 1

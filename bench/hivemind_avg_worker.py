@@ -5,7 +5,11 @@ It speaks bench.worker's protocol: `go KEY` runs one `averager.step()` and answe
 with its time; `check` answers how far the averaged tensor is from the exact mean. The
 averager keeps hivemind's defaults (min_matchmaking_time 5 s, request_timeout 3 s, 512 KiB parts,
 no bandwidth declared) except target_group_size = min_group_size = peers: a full group starts
-its round at once, as moshpit's and gloo's do.
+its round at once, as moshpit's and gloo's do. A round is bounded as hivemind.Optimizer bounds
+one: "allreduce_timeout: timeout for a single attempt to run all-reduce, default: equal to
+averaging_timeout" and "if an averaging step hangs for this long, it will be cancelled
+automatically" (hivemind/optim/optimizer.py); without that an all-reduce whose partner went
+quiet waits for ever, and the bench could not tell a failed round from a slow one.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def main() -> int:
     tensor = torch.full((args.elems,), float(args.rank), dtype=torch.float32)
     averager = hivemind.averaging.DecentralizedAverager(
         [tensor], dht, prefix="bench_allreduce", target_group_size=args.peers,
-        min_group_size=args.peers, start=True)
+        min_group_size=args.peers, allreduce_timeout=args.timeout, start=True)
     expected = (args.peers - 1) / 2
     emit({"ready": True, "maddrs": [str(a) for a in dht.get_visible_maddrs()]})
     try:
@@ -60,10 +64,15 @@ def main() -> int:
                 emit({"error": f"bad command {line.strip()!r}"})
                 continue
             start = time.perf_counter()
+            control = averager.step(weight=1.0, timeout=args.timeout, wait=False)
             try:
-                gathered = averager.step(weight=1.0, timeout=args.timeout)
+                gathered = control.result(args.timeout)
             except Exception as exc:  # a failed round is a row's failure, not the bench's
-                emit({"error": f"step failed: {exc!r}"[:300]})
+                control.cancel()
+                emit({"failed": f"step failed: {exc!r}"[:300]})
+                continue
+            if gathered is None:  # hivemind's own word for a round that found no group
+                emit({"failed": "step returned no group"})
                 continue
             seconds = time.perf_counter() - start
             emit({"key": key, "seconds": seconds,

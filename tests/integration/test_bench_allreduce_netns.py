@@ -1,8 +1,10 @@
 """`python -m bench.allreduce --netns` end to end, small: 2 emulated hosts (network namespaces,
 100 Mbit/s, 10 ms round trips), a 256 KiB vector, one warm-up and two timed rounds of each
 system. Asserts a row per system with finite times, exact averages, and moshpit's own
-matchmaking and all-reduce split. Needs root and ip/tc/nft; hivemind's row needs .venv-peers
-(`make peers`; `make test` builds it) and is left out without it.
+matchmaking and all-reduce split; hivemind's rounds may instead be counted as failed (its step
+gives up after its timeout, as hivemind.Optimizer's does), never hang the bench. Needs root and
+ip/tc/nft; hivemind's row needs .venv-peers (`make peers`; `make test` builds it) and is left out
+without it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ def test_every_system_gets_a_row_of_finite_times(tmp_path: Path) -> None:
     assert list(rows) == systems, proc.stderr[-4000:]
     assert out["bounds"]["optimum_s"] == pytest.approx(4 * 65536 / 12.5e6)  # one vector each
     for system, row in rows.items():
-        assert len(row["samples_s"]) == 2 and all(0 < s < 30 for s in row["samples_s"]), row
+        assert all(0 < s < 30 for s in row["samples_s"]), row
+        if system == "hivemind" and row["failed_rounds"]:
+            # a rival's round that gave up (under load) is its row's data, counted apart
+            assert len(row["samples_s"]) + row["failed_rounds"] == 2, row
+            continue
+        assert len(row["samples_s"]) == 2 and row["failed_rounds"] == 0, row
         assert math.isfinite(row["x_optimum"]) and row["x_gloo"] > 0, (system, row)
         assert row["max_error"] == 0.0 and row["partial_rounds"] == 0, (system, row)
     for system in ("moshpit", "moshpit-plain"):
