@@ -20,8 +20,9 @@ import hmac
 import os
 import stat
 import struct
-import time
 from collections.abc import Callable
+
+from moshpitd import timebase
 
 WINDOW = 30.0  # seconds a message may be late: delivery delay plus a slow sender's clock
 # Seconds a message may be dated ahead of our clock. Its nonce must be kept until its date
@@ -178,7 +179,7 @@ class SwarmKey:
         return mac.digest()
 
     def seal(self, purpose: bytes, context: bytes, payload: bytes) -> bytes:
-        head = struct.pack(">Q", int(time.time() * 1000)) + os.urandom(NONCE)
+        head = struct.pack(">Q", int(timebase.wall() * 1000)) + os.urandom(NONCE)
         return b"".join((head, payload, self._tag(purpose, context, head, payload)))
 
     def open(self, purpose: bytes, context: bytes, data: bytes | memoryview,
@@ -192,7 +193,7 @@ class SwarmKey:
         if not hmac.compare_digest(bytes(view[-TAG:]), want):
             raise AuthError("bad swarm-key tag (another key, or a tampered message)")
         (ms,) = struct.unpack(">Q", head[:8])
-        now = time.time()
+        now = timebase.wall()
         if (why := timestamp_error(ms / 1000.0, now, self.window)) is not None:
             raise AuthError("message " + why)
         if replay is not None:

@@ -14,10 +14,10 @@ Each matchmaking attempt has an `AttemptClock`: its end, and the waits derived f
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from moshpitd import timebase
 from moshpitd.allreduce.deadlines import DeadlinePolicy, RoundDeadlines
 
 START_SHARE = 1 / 8  # of the budget: how long members wait for every owner's READY
@@ -57,13 +57,13 @@ class RoundClock:
 
     def __init__(self, timeout: float, attempt_max: float, policy: DeadlinePolicy,
                  now: float | None = None) -> None:
-        self.start = time.monotonic() if now is None else now
+        self.start = timebase.monotonic() if now is None else now
         self.final = self.start + timeout
         self.attempt_max = attempt_max
         self.policy = policy
 
     def remaining(self, now: float | None = None) -> float:
-        return self.final - (time.monotonic() if now is None else now)
+        return self.final - (timebase.monotonic() if now is None else now)
 
     def attempt(self, now: float | None = None) -> float:
         """Seconds for one matchmaking attempt: the setting's bound, within the request."""
@@ -80,7 +80,7 @@ class RoundClock:
         """The butterfly round's deadlines, for a round that moves `wire_bytes` (sent plus
         received, encoded: RoundPlan.wire_bytes) and starts now. A member still sending past
         the deadline gets one more budget, no more, and never past the request's end."""
-        now = time.monotonic() if now is None else now
+        now = timebase.monotonic() if now is None else now
         budget = self.policy.budget(wire_bytes)
         grace = GRACE_SHARE * budget
         deadline = now + max(min(budget, self.final - now - grace), MIN_ROUND)

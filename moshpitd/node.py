@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
 
+from moshpitd import timebase
 from moshpitd.allreduce.layout import FlatView
 from moshpitd.allreduce.registry import REFUSED_IDENTITY, RoundRegistry
 from moshpitd.clock import stream_wait
@@ -218,9 +218,9 @@ class MoshpitNode:
     async def _watch_loop_lag(self) -> None:
         """Anything that blocks the event loop delays every peer's round: make it visible."""
         while True:
-            before = time.monotonic()
+            before = timebase.monotonic()
             await asyncio.sleep(LAG_TICK)
-            lag = time.monotonic() - before - LAG_TICK
+            lag = timebase.monotonic() - before - LAG_TICK
             self.metrics.loop_lag.observe(max(lag, 0.0))
             if lag > LAG_WARN:
                 log.warning("event loop was blocked for %.3f s", lag)

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from moshpitd import timebase
 from moshpitd.allreduce.layout import TensorSpec
 from moshpitd.matchmaking.grid import Grid
 from moshpitd.metrics import Metrics
@@ -87,7 +88,7 @@ class RoundLog:
     def record(self, key: str, size: int, sent: int, received: int, start: float,
                 assembled: float, result: str, codec: str = "none",
                 excluded: dict[str, int] | None = None) -> RoundRecord:
-        now = time.monotonic()
+        now = timebase.monotonic()
         rec = RoundRecord(key, size, sent, received, now - start, assembled - start, result)
         self.recent.append(rec)
         self.metrics.rounds.labels(result).inc()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from moshpitd import timebase
 from moshpitd.allreduce.butterfly import AllreduceError, ButterflyRound, RoundResult
 from moshpitd.allreduce.codecs import get_codec
 from moshpitd.allreduce.deadlines import DeadlinePolicy
@@ -119,13 +119,13 @@ class RoundRunner:
             run = RunDirectory(self.dht, self.me.peer_id, request.key, grid, self.me.grpc,
                                self.probe)
             self.runs[request.key] = run
-        final = time.monotonic() + request.timeout
+        final = timebase.monotonic() + request.timeout
         weight = request.weight
         records: list[tuple[int, RoundOutcome]] = []
         for _ in range(request.rounds):
             plan = await run.plan(request.initial_coords)
             try:
-                clock = self.clock(final - time.monotonic())
+                clock = self.clock(final - timebase.monotonic())
                 if clock.remaining() <= 0:
                     raise AllreduceError(f"timeout after {len(records)} of {request.rounds} "
                                          "rounds")
@@ -160,7 +160,7 @@ class RoundRunner:
                                      single_attempt, watcher)
         except GroupNotFound as exc:
             rec = self.rounds.record(key, 1 if isinstance(exc, NoPartners) else 0, 0, 0, start,
-                                     time.monotonic(),
+                                     timebase.monotonic(),
                                      "alone" if isinstance(exc, NoPartners)
                                      else "matchmaking_failed", codec)
             await _data_in(request, clock)
@@ -169,13 +169,13 @@ class RoundRunner:
                 return RoundOutcome(rec)
             raise
         except ShuttingDown:
-            self.rounds.record(key, 0, 0, 0, start, time.monotonic(), "shutting_down", codec)
+            self.rounds.record(key, 0, 0, 0, start, timebase.monotonic(), "shutting_down", codec)
             raise
         except BaseException:
-            self.rounds.record(key, 0, 0, 0, start, time.monotonic(), "matchmaking_failed",
+            self.rounds.record(key, 0, 0, 0, start, timebase.monotonic(), "matchmaking_failed",
                                codec)
             raise
-        assembled = time.monotonic()
+        assembled = timebase.monotonic()
         log.debug("group %s assembled: %s", group.group_id.hex()[:8],
                   [m.peer_id.hex()[:6] for m in group.members])
         self.metrics.matchmaking_duration.observe(assembled - start)
@@ -185,7 +185,7 @@ class RoundRunner:
         try:
             await _data_in(request, clock)
         except BaseException:
-            self.rounds.record(key, n, 0, 0, start, time.monotonic(), "allreduce_failed", codec)
+            self.rounds.record(key, n, 0, 0, start, timebase.monotonic(), "allreduce_failed", codec)
             raise
         if sum(m.weight for m in group.members) <= 0:
             # no weighted mean: every member sees the same weights and keeps its values alike

@@ -20,9 +20,8 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 
-from moshpitd import __version__
+from moshpitd import __version__, timebase
 from moshpitd.auth import SwarmKey
 from moshpitd.config import Settings
 from moshpitd.hooks import NO_HOOKS, Hooks
@@ -139,7 +138,7 @@ async def serve(settings: Settings, swarm_key: SwarmKey | None = None,
 
 async def drain(node: MoshpitNode, ipc: IPCServer, metrics: Metrics, timeout: float,
                 signals: asyncio.Queue[int], sig: int) -> None:
-    start = time.monotonic()
+    start = timebase.monotonic()
     log.info("%s: draining (at most %.1f s; a second signal stops at once)",
              signal.Signals(sig).name, timeout)
     metrics.draining.set(1)
@@ -156,4 +155,4 @@ async def drain(node: MoshpitNode, ipc: IPCServer, metrics: Metrics, timeout: fl
         work.cancel()
         await asyncio.gather(work, second, return_exceptions=True)
     await ipc.say_goodbye()
-    log.info("drained in %.2f s; stopping", time.monotonic() - start)
+    log.info("drained in %.2f s; stopping", timebase.monotonic() - start)

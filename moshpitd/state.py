@@ -22,6 +22,7 @@ from typing import Any
 
 import msgpack
 
+from moshpitd import timebase
 from moshpitd.dht.network import DHTNode
 from moshpitd.donors import (
     HEADER_WAIT_MAX,
@@ -100,7 +101,7 @@ class StateStore:
                                           "digests": digests}))
             if len(header) > MAX_HEADER:
                 raise ValueError(f"state header of {len(header)} bytes exceeds {MAX_HEADER}")
-            self._install(key, Snapshot(version, header, data, time.monotonic()))
+            self._install(key, Snapshot(version, header, data, timebase.monotonic()))
             value = bytes(msgpack.packb([self.endpoint, version, len(data)]))
             await self.dht.store_sub(f"{key}/donors", self.peer_id, value, DONOR_TTL)
         return version
@@ -160,7 +161,7 @@ class StateStore:
                                f"no state of version {request.version} for {request.key!r}")
         # a joiner that asked for this version gets it to the end, even if our trainer
         # publishes newer ones meanwhile
-        snap.leased_until = time.monotonic() + LEASE
+        snap.leased_until = timebase.monotonic() + LEASE
         total = len(snap.data)
         if request.length == 0:
             yield pb.StateChunk(offset=0, total=total, version=snap.version, header=snap.header)
@@ -199,7 +200,7 @@ class StateStore:
                      ) -> tuple[Donor, dict[str, Any], list[Donor]]:
         """The latest state's description (or that of `version`) and the donors that hold it,
         the one that answered first."""
-        deadline = time.monotonic() + timeout
+        deadline = timebase.monotonic() + timeout
         while True:
             donors = await self.donors(key)
             # newest version first; if none of its donors answers (it died, or its record is
@@ -212,7 +213,7 @@ class StateStore:
                 holders = [d for d in donors if d.version == v or (version and d.version > v)]
                 gone = 0  # holders that answered they no longer have it
                 for batch in range(0, len(holders), MAX_DONORS):
-                    wait = min(max(deadline - time.monotonic(), HEADER_WAIT_MIN),
+                    wait = min(max(deadline - timebase.monotonic(), HEADER_WAIT_MIN),
                                HEADER_WAIT_MAX)
                     answers, lost = await headers(key, v, holders[batch:batch + MAX_DONORS],
                                                    pool, wait)
@@ -228,7 +229,7 @@ class StateStore:
                 if version and holders and gone == len(holders):  # waiting will not bring it back
                     raise StateUnavailable(f"no donor offers version {version} of run {key!r} "
                                            "any more")
-            if time.monotonic() >= deadline:
+            if timebase.monotonic() >= deadline:
                 what = f"version {version} of run {key!r}" if version else f"run {key!r}"
                 raise StateUnavailable(f"no donor answered for {what} within "
                                        f"{timeout:.1f} s ({len(donors)} declared)")

@@ -28,11 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from moshpitd import timebase
 from moshpitd.allreduce.codecs import Codec
 from moshpitd.allreduce.deadlines import RoundDeadlines
 from moshpitd.allreduce.group import Group
@@ -132,7 +132,7 @@ class ButterflyRound:
     async def run(self, deadlines: RoundDeadlines) -> RoundResult:
         """The whole round from our side; returns once every part is settled or the hard stop
         came. The trainer's buffer is ours until then, and untouched after."""
-        start = time.monotonic()
+        start = timebase.monotonic()
         sender = SenderSide(self.plan, self.ledger, self._connect, self.hooks, self.reducer,
                             self._handshake, self._max_in_flight, deadlines.start_wait_until,
                             self._sessions)
@@ -144,7 +144,7 @@ class ButterflyRound:
         try:
             await self.reducer.wait_for_senders(deadlines.deadline, deadlines.hard,
                                                 deadlines.stall_window)
-            reduced = time.monotonic()
+            reduced = timebase.monotonic()
             checking = asyncio.create_task(self.reducer.run_check(
                 deadlines.hard + deadlines.grace, deadlines.grace))
             await self.reducer.wait_for_listeners(min(deadlines.start_wait_until,
@@ -183,10 +183,10 @@ class ButterflyRound:
             log.debug("round phases (s after its start): owners ready %.3f, parts sent %.3f, "
                       "span's contributions in %.3f, end %.3f", sender.gate.opened - start,
                       max((ln.sent_at for ln in sender.links), default=start) - start,
-                      reduced - start, time.monotonic() - start)
+                      reduced - start, timebase.monotonic() - start)
         if self.ledger.invalid is not None:
             raise self.ledger.invalid
-        return self._result(time.monotonic() - start, sent, received)
+        return self._result(timebase.monotonic() - start, sent, received)
 
     def _time_peers(self, sender: SenderSide) -> None:
         """What the members whose own links held their streams to us back carried this round
@@ -224,14 +224,14 @@ class ButterflyRound:
         deadline, hard = d.deadline + d.grace, d.hard + d.grace
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                async with asyncio.timeout(max(deadline - timebase.monotonic(), 0)):
                     await sender.all_answered()
                     if checking is not None:
                         await asyncio.shield(checking)
                     while not self.reducer.drained():
                         await asyncio.sleep(DRAIN_POLL)
                 return
-            now = time.monotonic()
+            now = timebase.monotonic()
             total = sender.progress() + self.reducer.progress()
             if total <= moved or now >= hard:
                 return

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
 
+from moshpitd import timebase
 from moshpitd.allreduce.layout import LayoutError, Part
 from moshpitd.allreduce.ownercheck import OwnerCheck
 from moshpitd.allreduce.plan import Ledger, RoundPlan
@@ -179,10 +179,10 @@ class ReducerSide:
         seen: dict[int, int] = {}
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                async with asyncio.timeout(max(deadline - timebase.monotonic(), 0)):
                     await self._done.wait()
                 return
-            now = time.monotonic()
+            now = timebase.monotonic()
             moving = False
             final = len(self.plan.my_parts) - len(self._pending)
             for sender in self._incomplete_senders():
@@ -209,9 +209,9 @@ class ReducerSide:
         while any(listeners >> i & 1 and i not in self.slots for i in range(self.plan.size)):
             self._joined.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(until - time.monotonic(), 0)):
+                async with asyncio.timeout(max(until - timebase.monotonic(), 0)):
                     await self._joined.wait()
-            if time.monotonic() >= until:
+            if timebase.monotonic() >= until:
                 return
 
     async def run_check(self, until: float, patience: float) -> None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 
 import numpy as np
 
+from moshpitd import timebase
 from moshpitd.allreduce.checks import (
     SEED_BYTES,
     CheckError,
@@ -154,7 +154,7 @@ class OwnerCheck:
         owed = {i for i in range(self.plan.size) if contributors >> i & 1} - {me}
         # its own budget: a member that held up the seeds must not leave no time for claims
         await self._gather(owed, lambda i: i in self.claims or i in self.disputed,
-                           lambda i: False, max(until, time.monotonic() + patience), patience)
+                           lambda i: False, max(until, timebase.monotonic() + patience), patience)
         self.claims_out.set()
 
     def seeds_payload(self) -> bytes:
@@ -164,7 +164,7 @@ class OwnerCheck:
                       draining: Callable[[int], bool], until: float, patience: float) -> None:
         since: dict[int, float] = {}
         while True:
-            now = time.monotonic()
+            now = timebase.monotonic()
             waiting = False
             for i in owed:
                 if answered(i):

@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol
 
+from moshpitd import timebase
 from moshpitd.allreduce.checks import CheckError, Unverifiable, Verdict
 from moshpitd.allreduce.layout import Part, all_finite
 from moshpitd.allreduce.plan import Ledger, RoundPlan
@@ -74,19 +74,19 @@ class ReadyGate:
         self.left = owners
         self.until = until
         self.event = asyncio.Event()
-        self.opened = time.monotonic()  # when the last owner answered (the phase log's)
+        self.opened = timebase.monotonic()  # when the last owner answered (the phase log's)
         if owners <= 0:
             self.event.set()
 
     def mark(self) -> None:
         self.left -= 1
         if self.left <= 0 and not self.event.is_set():
-            self.opened = time.monotonic()
+            self.opened = timebase.monotonic()
             self.event.set()
 
     async def wait(self, deadline: float) -> None:
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(min(self.until, deadline) - time.monotonic(), 0)):
+            async with asyncio.timeout(max(min(self.until, deadline) - timebase.monotonic(), 0)):
                 await self.event.wait()
 
 

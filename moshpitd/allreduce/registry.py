@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from moshpitd import timebase
 from moshpitd.allreduce.accepted import Resume, evict
 from moshpitd.allreduce.butterfly import ButterflyRound
 from moshpitd.transport.dataplane import (
@@ -265,7 +265,7 @@ class RoundRegistry:
               sink: _Hello | Resume | None = None) -> None:
         """A stream whose HELLO (or ATTACH) checked out in form: to its round, or to wait for
         it."""
-        now = time.monotonic()
+        now = timebase.monotonic()
         gid = hello.route
         rnd = self._rounds.get(gid)
         if rnd is not None:
@@ -360,7 +360,7 @@ class RoundRegistry:
         self.refused[reason] += 1
         if reason == REFUSED_GROUP:
             log.info("refusing stream from member %d: %s (waited %.2fs)", sender, why,
-                     time.monotonic() - since)
+                     timebase.monotonic() - since)
         else:  # counted, not logged above DEBUG: any key holder can send these
             log.debug("refusing stream as member %d: %s", sender, why)
         channel.abort(why, code=BUSY if reason == REFUSED_BUSY else 0)

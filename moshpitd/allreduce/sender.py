@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from moshpitd import timebase
 from moshpitd.allreduce.ownerlink import Exclusions, OwnerLink, ReadyGate
 from moshpitd.allreduce.plan import Ledger, RoundPlan
 from moshpitd.allreduce.verifier import COMMIT
@@ -112,7 +112,7 @@ class SenderSide:
 
     async def _exchange(self, link: OwnerLink, deadline: float) -> None:
         try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+            async with asyncio.timeout(max(deadline - timebase.monotonic(), 0)):
                 channel = await self._open(link)
             if link.check is not None:  # before any part: see allreduce/verifier.py
                 await channel.send(CHECK, link.owner, link.check.commit(), aux=COMMIT)
@@ -130,7 +130,7 @@ class SenderSide:
                     break
                 # straight from the trainer's buffer (codec none), piece by piece
                 await channel.send(PART, p.index, *codec.encode_pieces(view.views(p)))
-            link.sent_at = time.monotonic()
+            link.sent_at = timebase.monotonic()
             await link.done.wait()
             self._keep(link)
         except ConnectionRefusedError as exc:

@@ -13,11 +13,12 @@ the routing table as before.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
 
 from kademlia.crawling import NodeSpiderCrawl
+
+from moshpitd import timebase
 
 T = TypeVar("T")
 STRAGGLER_MIN_WAIT = 0.05  # s a straggler gets beyond twice the time the first answers took
@@ -47,17 +48,17 @@ async def settle_timed(calls: list[Awaitable[T]], need: int, limit: float | None
     tasks = [asyncio.ensure_future(c) for c in calls]
     if not tasks:
         return [], None
-    start = time.monotonic()
+    start = timebase.monotonic()
     pending = set(tasks)
     took: float | None = None
     while pending and len(tasks) - len(pending) < need:
-        left = None if limit is None else limit - (time.monotonic() - start)
+        left = None if limit is None else limit - (timebase.monotonic() - start)
         if left is not None and left <= 0:
             break
         _, pending = await asyncio.wait(pending, timeout=left,
                                         return_when=asyncio.FIRST_COMPLETED)
     else:
-        took = time.monotonic() - start
+        took = timebase.monotonic() - start
         if pending:
             _, pending = await asyncio.wait(pending, timeout=STRAGGLER_MIN_WAIT + 2 * took)
     keep_running(pending)

@@ -15,6 +15,7 @@ from kademlia.network import Server
 from kademlia.node import Node
 from kademlia.utils import digest
 
+from moshpitd import timebase
 from moshpitd.auth import SwarmKey
 from moshpitd.dht.crawl import BriskNodeCrawl, keep_running, settle
 from moshpitd.dht.protocol import SubkeyProtocol
@@ -163,7 +164,7 @@ class DHTNode(Server):
         if self.peer_count() < self.ksize:
             return self.protocol.closest(node)
         cached = self._nearest_cache.get(dkey)
-        now = time.monotonic()
+        now = timebase.monotonic()
         if cached is not None and cached[0] > now:
             return [n for n in cached[1] if not router.is_new_node(n)]  # drop the unreachable
         crawling = self._crawling.get(dkey)
@@ -180,7 +181,7 @@ class DHTNode(Server):
         spider = BriskNodeCrawl(self.protocol, node, nearest, self.protocol.replicas,
                                 self.alpha)
         found: list[Node] = await spider.find()
-        self._nearest_cache[bytes(node.id)] = (time.monotonic() + NEAREST_CACHE_SECONDS, found)
+        self._nearest_cache[bytes(node.id)] = (timebase.monotonic() + NEAREST_CACHE_SECONDS, found)
         if len(self._nearest_cache) > 1024:
             self._nearest_cache.clear()
         return found
@@ -210,7 +211,7 @@ class DHTNode(Server):
                    ) -> SubRecord | None:
         """A record its writer handed us, as a lookup would take it: its signature checked
         (or found verified before), its version plausible by our clock."""
-        now = time.time()
+        now = timebase.wall()
         checked = self.verifier.check(digest(key), subkey, value, version, proof.ttl, proof,
                                       now)
         if checked is None:
@@ -266,7 +267,7 @@ class DHTNode(Server):
 
         nodes = await self._nearest(dkey)
         answers = await self._quorum([self.protocol.call_find_subs(n, dkey) for n in nodes])
-        now = time.time()
+        now = timebase.wall()
         protected, contact = self.storage.protected, self.protocol.is_contact
         for answer in answers:  # each replica's answer its own budget: one cannot spend it all
             unproven = UNPROVEN_PER_READ

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -17,6 +16,7 @@ from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 from kademlia.utils import digest
 
+from moshpitd import timebase
 from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
 from moshpitd.buckets import Bucket, lru_bucket
 from moshpitd.dht.answered import Answered
@@ -167,7 +167,7 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
         would silently drop it as a contact; the operator needs to hear of it, once a minute
         per address at most."""
         self.own_id_elsewhere += 1
-        now = time.monotonic()
+        now = timebase.monotonic()
         if self._own_id_logged.get(address, -OWN_ID_LOG_EVERY) + OWN_ID_LOG_EVERY > now:
             return
         if len(self._own_id_logged) >= OWN_ID_LOG_ADDRESSES:
@@ -251,7 +251,7 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
             if contact.id == nodeid and (contact.ip, contact.port) == (sender[0], sender[1]):
                 self.router.remove_contact(contact)
                 # a late reply from it must not re-add it; ids are fresh per daemon start
-                now = time.monotonic()
+                now = timebase.monotonic()
                 self.departed = {k: t for k, t in self.departed.items() if t > now}
                 if len(self.departed) < 10_000:
                     self.departed[bytes(nodeid)] = now + DEPARTED_SECONDS
@@ -336,7 +336,7 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
         """Hand a newcomer the subkey records it is now among the closest holders of."""
         if node.id == self.source_node.id or from_client.get():  # ourselves; a NATed client
             return
-        if self.departed.get(bytes(node.id), 0.0) > time.monotonic():
+        if self.departed.get(bytes(node.id), 0.0) > timebase.monotonic():
             return
         if not self.router.is_new_node(node):
             return

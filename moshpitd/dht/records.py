@@ -21,10 +21,10 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from moshpitd import timebase
 from moshpitd.auth import WINDOW
 from moshpitd.identity import (
     PEER_ID_BYTES,
@@ -74,7 +74,7 @@ def sign(identity: PeerKey, key: bytes, value: bytes, version: int, ttl: float) 
 def remaining(version: int, proof: Proof, ttl: float, now: float | None = None) -> float:
     """Seconds a record may still live here: what the sender says is left, never more than
     its signed lifetime allows by our clock (plus the skew peers' clocks may have)."""
-    now = time.time() if now is None else now
+    now = timebase.wall() if now is None else now
     return min(ttl, proof.ttl, version / 1e9 + proof.ttl - now + CLOCK_SKEW)
 
 
@@ -117,7 +117,7 @@ class RecordVerifier:
                  proof: Proof, now: float | None) -> str | None:
         if len(subkey) != PEER_ID_BYTES or peer_id_of(proof.public) != subkey:
             return WRONG_SIGNER
-        now = time.time() if now is None else now
+        now = timebase.wall() if now is None else now
         if not (0 <= version <= MAX_VERSION and 0.0 <= proof.ttl <= MAX_TTL
                 and math.isfinite(ttl) and version / 1e9 <= now + CLOCK_SKEW
                 and version / 1e9 + proof.ttl >= now - CLOCK_SKEW):

@@ -8,8 +8,9 @@ import gc
 import mmap
 import os
 import stat
-import time
 from collections.abc import Iterable
+
+from moshpitd import timebase
 
 
 class BufferError_(ValueError):
@@ -69,8 +70,8 @@ def unmap(buffers: Iterable[SharedBuffer]) -> list[SharedBuffer]:
     """Closes the buffers; returns those still mapped (views of them still alive)."""
     global _last_collect
     left = [b for b in buffers if not b.close()]
-    if left and time.monotonic() - _last_collect >= COLLECT_EVERY:
-        _last_collect = time.monotonic()
+    if left and timebase.monotonic() - _last_collect >= COLLECT_EVERY:
+        _last_collect = timebase.monotonic()
         gc.collect()
         left = [b for b in left if not b.close()]
     return left

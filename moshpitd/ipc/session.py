@@ -15,12 +15,11 @@ import contextlib
 import functools
 import logging
 import os
-import time
 from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any, Protocol
 
-from moshpitd import __version__
+from moshpitd import __version__, timebase
 from moshpitd.allreduce.codecs import CODECS
 from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, specs_from_wire
 from moshpitd.ipc import schema as wire
@@ -343,11 +342,11 @@ class Session:
     async def _download(self, req: wire.DownloadStateRequest, buffer: SharedBuffer
                         ) -> wire.DownloadStateReply:
         # one deadline, the request's, for finding a donor and downloading from it
-        deadline = time.monotonic() + req.timeout
+        deadline = timebase.monotonic() + req.timeout
         store = self._store()
         _, info, holders = await store.header(req.key, self.node.pool, req.timeout,
                                               req.version)
-        remaining = deadline - time.monotonic()
+        remaining = deadline - timebase.monotonic()
         if remaining <= 0:
             raise IPCError(ErrorCode.STATE_UNAVAILABLE, f"finding a donor of run {req.key!r} "
                            f"took the whole timeout ({req.timeout:g} s)")

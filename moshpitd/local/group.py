@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from moshpitd import timebase
 from moshpitd.allreduce.layout import FlatView, LayoutError, TensorSpec, schema_of
 from moshpitd.clock import RoundClock
 from moshpitd.local.errors import LocalLate, LocalMismatch, LocalRankMissing
@@ -98,7 +98,7 @@ class LocalGroup:
         self.arrivals = 0
         self.state = "gathering"  # then "averaging", then "done"
         self.task: asyncio.Task[None] | None = None
-        wait = max(clock.local_deadline() - time.monotonic(), 0.0)
+        wait = max(clock.local_deadline() - timebase.monotonic(), 0.0)
         self._timer = asyncio.get_running_loop().call_later(wait, self._deadline)
 
     def admit(self, request: AverageRequest, view: FlatView, buffer: memoryview) -> Member:
@@ -114,7 +114,7 @@ class LocalGroup:
             raise error
         self.arrivals += 1
         member = Member(rank, request, view, tensor_arrays(buffer, request.specs),
-                        time.monotonic())
+                        timebase.monotonic())
         self.members[rank] = member
         if len(self.members) == self.world:
             self._close()
@@ -189,7 +189,7 @@ class LocalGroup:
         """The host's request: one peer, with the sum of the members' weights, ending when the
         first of their requests would."""
         final = min(m.arrived + m.request.timeout for m in members)
-        remaining = final - time.monotonic()
+        remaining = final - timebase.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"the local group under key {self.key!r} used the whole "
                                "request's time waiting for its trainers")
@@ -197,7 +197,7 @@ class LocalGroup:
                        timeout=remaining, local_world=None, local_rank=None)
 
     async def _average_replicas(self, members: list[Member]) -> None:
-        started = time.monotonic()
+        started = timebase.monotonic()
         scratch = Scratch(self.first.specs)
         while True:  # a replica with NaN or Inf is refused, and the others reduced again
             bad = await asyncio.to_thread(weighted_mean, scratch.arrays,
@@ -211,7 +211,7 @@ class LocalGroup:
             members = [m for i, m in enumerate(members) if i not in bad]
             if not members:
                 return
-        reduced = time.monotonic()
+        reduced = timebase.monotonic()
         request = self._swarm_request(members, scratch.specs)
         ranks = tuple(m.rank for m in members)
         log.info("local round key=%s replicas=%s of %d weight=%g reduce_seconds=%.3f",

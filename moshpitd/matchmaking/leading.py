@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from moshpitd import timebase
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.dht.records import Proof
 from moshpitd.hooks import NO_HOOKS, Hooks
@@ -183,7 +184,7 @@ class GroupLeader:
             return
         follower = _Follower(request, tls_binding)
         self.followers[request.peer_id] = follower
-        self.last_join = time.monotonic()
+        self.last_join = timebase.monotonic()
         self._on_join()
         try:
             yield pb.JoinResponse(code=pb.ACCEPTED)

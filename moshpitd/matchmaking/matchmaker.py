@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from functools import partial
 
+from moshpitd import timebase
 from moshpitd.allreduce.group import Group
 from moshpitd.clock import LEADER_GRACE, AttemptClock
 from moshpitd.dht.network import DHTNode
@@ -108,16 +108,17 @@ class Matchmaker:
 
     # --- the whole search ---------------------------------------------------------------------
     async def find_group(self, timeout: float) -> Group:
-        final = time.monotonic() + timeout
+        final = timebase.monotonic() + timeout
         with self.vitals.waking(self._wake.set):
             return await self._search(final, timeout)
 
     async def _search(self, final: float, timeout: float) -> Group:
         attempts = 0
-        while time.monotonic() < final - MIN_ATTEMPT:
+        while timebase.monotonic() < final - MIN_ATTEMPT:
             attempts += 1
-            self._clock = AttemptClock.starting(time.monotonic(), self.req.attempt_seconds, final)
-            ttl = self._clock.deadline - time.monotonic()
+            self._clock = AttemptClock.starting(timebase.monotonic(), self.req.attempt_seconds,
+                                                final)
+            ttl = self._clock.deadline - timebase.monotonic()
             self._version = self.dht.next_version()
             self.leading.open()  # before anyone can read the declaration
             # Declared while the first poll reads the key: our store's datagrams leave first,
@@ -173,7 +174,7 @@ class Matchmaker:
             self._wake.clear()  # what happens from here on (a join, a probe's answer) wakes us
             if self.assembled.done():
                 return self.assembled.result()
-            now = time.monotonic()
+            now = timebase.monotonic()
             self._release_expired(now)
             if self.leading.accepting and self.policy.full(len(self.leading.followers)):
                 return self._assemble()  # full: no need to look at the DHT first
@@ -181,7 +182,7 @@ class Matchmaker:
             if read is None:
                 read = await self._read_by(self._clock.deadline)
             candidates, line = read
-            self._release_expired(time.monotonic())  # by what this read says
+            self._release_expired(timebase.monotonic())  # by what this read says
             candidates = self.vitals.proven(candidates, self.leading.followers)
             if self.leading.followers:
                 await self.vitals.probe_stragglers(candidates, self.leading.followers, now)
@@ -207,12 +208,12 @@ class Matchmaker:
             for cand in self.vitals.asking_order(candidates):
                 # A client-mode peer never leads, so it may follow anyone: no cycle can form.
                 later = cand.rank >= my_rank and not self.req.client_mode
-                if later or tried.get(cand.peer_id, 0.0) > time.monotonic():
+                if later or tried.get(cand.peer_id, 0.0) > timebase.monotonic():
                     continue
                 if cand.declaration.client_mode:
                     continue
                 # a refusal may be momentary (it was between attempts): ask again later
-                tried[cand.peer_id] = time.monotonic() + RETRY_ASK
+                tried[cand.peer_id] = timebase.monotonic() + RETRY_ASK
                 group = await self._follow(cand, final)
                 if group is not None:
                     return group
@@ -220,7 +221,7 @@ class Matchmaker:
                     return self.assembled.result()
             try:
                 wake_at = min(decision.wake_at, self.leading.next_release(self._deadlines()))
-                async with asyncio.timeout(min(poll, max(wake_at - time.monotonic(), 0))):
+                async with asyncio.timeout(min(poll, max(wake_at - timebase.monotonic(), 0))):
                     await self._wake.wait()
                 poll = MIN_POLL
             except TimeoutError:
@@ -251,7 +252,7 @@ class Matchmaker:
         """`_read`, given up at our deadline: a lookup that waits on silent DHT nodes must not
         keep us from disbanding our followers then (they shun a leader that overruns)."""
         try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0) + MIN_POLL):
+            async with asyncio.timeout(max(deadline - timebase.monotonic(), 0.0) + MIN_POLL):
                 return await self._read()
         except TimeoutError:
             return [], None
@@ -268,7 +269,7 @@ class Matchmaker:
     async def _candidates(self) -> list[Candidate]:
         subs = await self.dht.get_subs(self.req.key, max_ttl=DECLARATION_TTL)
         self.book.absorb(subs)
-        now = time.monotonic()
+        now = timebase.monotonic()
         out = []
         self._declared_now = set()
         for peer_id, rec in subs.items():
@@ -306,7 +307,7 @@ class Matchmaker:
         while hops < MAX_HOPS:
             hops += 1
             request = join_request(self.me, self.req, leader.peer_id, self._carried)
-            remaining = final - time.monotonic()
+            remaining = final - timebase.monotonic()
             if remaining <= 0:
                 return None
             call = self.pool.join(leader.declaration.endpoint, request, timeout=remaining)
@@ -322,7 +323,7 @@ class Matchmaker:
                 self.leading.asking = None
                 call.cancel()
                 if self.leading.following is not None and not self.assembled.done():
-                    self.leading.unfollow(time.monotonic() < self._clock.deadline)
+                    self.leading.unfollow(timebase.monotonic() < self._clock.deadline)
             if isinstance(nxt, Group):
                 return nxt
             if nxt is None:
@@ -332,7 +333,7 @@ class Matchmaker:
 
     async def _follow_call(self, call: Answers[pb.JoinResponse], leader: Candidate
                            ) -> Group | Candidate | None:
-        async with asyncio.timeout(self._clock.answer_wait(time.monotonic())):
+        async with asyncio.timeout(self._clock.answer_wait(timebase.monotonic())):
             first = await call.read()
         if first is None:
             return None
@@ -344,11 +345,11 @@ class Matchmaker:
             # that means to stall us) holds us to our own deadline at most; one that outlives
             # its own declaration so is not asked again for SHUN_SECONDS, by any request.
             try:
-                async with asyncio.timeout(self._clock.group_info_wait(time.monotonic(),
+                async with asyncio.timeout(self._clock.group_info_wait(timebase.monotonic(),
                                                                        leader.deadline)):
                     resp = await call.read()
             except TimeoutError:
-                if time.monotonic() >= leader.deadline + LEADER_GRACE:
+                if timebase.monotonic() >= leader.deadline + LEADER_GRACE:
                     # it outlived its own declaration without a word: an honest leader
                     # assembles or disbands by then
                     log.info("%s: leader %s accepted us and neither assembled nor disbanded "

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import msgpack
 
+from moshpitd import timebase
 from moshpitd.dht.network import DHTNode
 from moshpitd.matchmaking.errors import MatchmakingError
 from moshpitd.matchmaking.grid import Coords, Grid, choose_coords, plan_round
@@ -109,7 +109,7 @@ class RunDirectory:
         self.probe = probe
         self._dead: dict[bytes, float] = {}  # peer id -> until when we believe it dead
         self._members: frozenset[bytes] = frozenset()
-        self._changed_at = time.monotonic()
+        self._changed_at = timebase.monotonic()
         self.peer_id = peer_id
         self.run = run
         self.grid = grid
@@ -148,7 +148,7 @@ class RunDirectory:
                 del out[pid]
         members = frozenset(out)
         if members != self._members:
-            self._members, self._changed_at = members, time.monotonic()
+            self._members, self._changed_at = members, timebase.monotonic()
         if others and not out:
             grid, count = others.most_common(1)[0]
             raise GridMismatch(
@@ -199,7 +199,7 @@ class RunDirectory:
             nonlocal first
             peers, first = (first, None) if first is not None else (await self.peers(), None)
             status = self._line_status(peers, round_)
-            now = time.monotonic()
+            now = timebase.monotonic()
             fresh = [p for p in status.expected if p not in probed and peers[p].endpoint]
             if self.probe is not None and fresh:
                 probed.update(fresh)
@@ -264,7 +264,7 @@ class RunDirectory:
         """Store our entry, unless the same one was stored lately and reached another node."""
         assert self.coords is not None
         entry = PeerEntry(self.grid, self.coords, self.round, joining, self.endpoint)
-        now = time.monotonic()
+        now = timebase.monotonic()
         if self._stored is not None and self._stored[0] == entry \
                 and now - self._stored[1] < REFRESH_AFTER:
             return

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from typing import Any
 
 import msgpack
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from moshpitd import timebase
 from moshpitd.allreduce.group import Group
 from moshpitd.auth import FUTURE_SKEW, WINDOW, AuthError, ReplayCache, timestamp_error
 from moshpitd.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, PeerKey, peer_id_of, verify
@@ -94,7 +94,7 @@ class PeerAuth:
     # --- joins ---------------------------------------------------------------------------
     def sign_join(self, request: pb.JoinRequest, leader_id: bytes) -> pb.JoinRequest:
         request.public_key = self.key.public
-        request.timestamp_ms = int(time.time() * 1000)
+        request.timestamp_ms = int(timebase.wall() * 1000)
         request.nonce = os.urandom(NONCE_BYTES)
         request.signature = self.key.sign(join_bytes(request, leader_id, self.tls_binding))
         return request
@@ -119,7 +119,7 @@ class PeerAuth:
             return "the request carries no proof of its peer id (public key, nonce, signature)"
         if peer_id_of(request.public_key) != request.peer_id:
             return "its public key is not its peer id's"
-        now = time.time()
+        now = timebase.wall()
         if (why := timestamp_error(request.timestamp_ms / 1000.0, now, self.window)) is not None:
             return "its " + why
         if not verify(request.public_key, request.signature,
@@ -164,7 +164,7 @@ def admissions_fault(info: pb.GroupInfo, group: Group, leader_id: bytes, attempt
     if len(info.admissions) > len(group.members):
         return "it carries more joins than members"
     joins = {a.join.peer_id: a for a in info.admissions}
-    now = time.time() if now is None else now
+    now = timebase.wall() if now is None else now
     for m in group.members[1:]:
         a = joins.get(m.peer_id)
         if a is None:

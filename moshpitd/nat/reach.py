@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from moshpitd import timebase
 from moshpitd.auth import SwarmKey
 from moshpitd.buckets import Bucket, lru_bucket
 from moshpitd.nat import wire
@@ -100,12 +101,12 @@ class Reachability:
             answered = sum(dialing for _, dialing in answers)
             mine = {h for h in own if h and not _wildcard(h)}
             direct = len(answers) >= need and set(seen) <= mine
-            deadline = time.monotonic() + WAIT
+            deadline = timebase.monotonic() + WAIT
             while (answered and not direct and not self._through(nonces)
-                   and time.monotonic() < deadline):
+                   and timebase.monotonic() < deadline):
                 self._heard.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(deadline - time.monotonic()):
+                    async with asyncio.timeout(deadline - timebase.monotonic()):
                         await self._heard.wait()
             reached = {k: sum(k in self._pending[n] for n in nonces) for k in KINDS}
             through = self._through(nonces)
@@ -115,18 +116,19 @@ class Reachability:
         where = ", ".join(sorted(seen)) or "?"
         if direct:
             verdict = Verdict(PUBLIC, f"peers see us at our own address {where}: no NAT between",
-                              agreed, time.time(), reached)
+                              agreed, timebase.wall(), reached)
         elif through:
             verdict = Verdict(PUBLIC, f"{through} of {answered} peers dialled us back at "
-                              f"{where} on every port", agreed, time.time(), reached)
+                              f"{where} on every port", agreed, timebase.wall(), reached)
         elif answered >= need:
             missing = [k for k in KINDS if not reached[k]]
             verdict = Verdict(PRIVATE, f"{answered} peers saw us at {where}; none reached our "
-                              f"{'/'.join(missing)} port(s) there", agreed, time.time(), reached)
+                              f"{'/'.join(missing)} port(s) there", agreed, timebase.wall(),
+                              reached)
         else:
             verdict = Verdict(UNKNOWN, f"{answered} of {len(nonces)} peers took a reachability "
                               f"check ({need} needed; the others silent or busy)", "",
-                              time.time(), reached)
+                              timebase.wall(), reached)
         return verdict
 
     def _through(self, nonces: dict[bytes, object]) -> int:

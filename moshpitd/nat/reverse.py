@@ -27,6 +27,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from moshpitd import timebase
 from moshpitd.auth import SwarmKey
 from moshpitd.identity import PeerKey, peer_id_of, verify
 from moshpitd.nat import wire
@@ -68,7 +69,7 @@ class Reversal:
                     and isinstance(stamp, float) and isinstance(signature, bytes)
                     and target == self.key.peer_id and len(endpoint) <= 300):
                 raise wire.RelayError("malformed offer")
-            if abs(time.time() - stamp) > wire.SIGNED_WINDOW:
+            if abs(timebase.wall() - stamp) > wire.SIGNED_WINDOW:
                 raise wire.RelayError("offer signed too long ago")
             split_endpoint(endpoint)
             if not verify(public, signature, _signed(target, endpoint, stamp)):
@@ -142,7 +143,7 @@ class Reversal:
 
     async def _offer(self, peer: bytes, their: str, endpoint: str,
                      data: Callable[[], Channel]) -> None:
-        stamp = time.time()
+        stamp = timebase.wall()
         body: list[Any] = [self.key.public, peer, endpoint, stamp,
                            self.key.sign(_signed(peer, endpoint, stamp))]
         self.dialing += 1

@@ -15,12 +15,12 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from kademlia.node import Node
 
+from moshpitd import timebase
 from moshpitd.allreduce.group import Group
 from moshpitd.auth import SwarmKey
 from moshpitd.dht.network import DHTNode
@@ -154,7 +154,7 @@ class Nat:
         if self.mode != "auto":
             if self.mode == PRIVATE:
                 self.first_relay.clear()  # rounds wait (boundedly) for the first relay
-            self._apply(Verdict(self.mode, "set by the reachability option", "", time.time()))
+            self._apply(Verdict(self.mode, "set by the reachability option", "", timebase.wall()))
             return
         retry = RETRY_FIRST
         while True:
@@ -231,17 +231,17 @@ class Nat:
 
     # --- being relayed ----------------------------------------------------------------------
     async def _offers(self, failed: dict[bytes, float]) -> list[Offer]:
-        now = time.monotonic()
+        now = timebase.monotonic()
         nodes = [n for n in self.dht.contacts() if failed.get(bytes(n.id), 0.0) < now]
         random.shuffle(nodes)
         proto = self.dht.protocol
 
         async def ask(node: Node) -> Offer | None:
-            start = time.monotonic()
+            start = timebase.monotonic()
             ok, offer = await proto.relay((node.ip, node.port), proto.source_node.id)
             if (ok and isinstance(offer, list) and len(offer) == 2
                     and all(isinstance(x, int) for x in offer) and 0 < offer[0] < 65536):
-                return Offer(bytes(node.id), node.ip, offer[0], time.monotonic() - start,
+                return Offer(bytes(node.id), node.ip, offer[0], timebase.monotonic() - start,
                              offer[1])
             return None
 
@@ -268,7 +268,7 @@ class Nat:
                 except Exception as exc:  # a relay's answer must never end our search
                     log.info("relay %s:%d: no reservation (%s)", offer.host, offer.data_port,
                              exc)
-                    failed[offer.peer_id] = time.monotonic() + FAILED_FOR
+                    failed[offer.peer_id] = timebase.monotonic() + FAILED_FOR
                     continue
                 self.reserved = reserved
                 log.info("relayed through %s (round trip %.1f ms): peers reach us at %s and %s",
@@ -283,7 +283,7 @@ class Nat:
                 self.on_endpoints(None, "")  # not when cancelled: we went public meanwhile
                 log.warning("relay %s lost (%s): finding another", offer.host, why)
                 self._recheck.set()  # and is our address what it was?
-                failed[offer.peer_id] = time.monotonic() + FAILED_FOR
+                failed[offer.peer_id] = timebase.monotonic() + FAILED_FOR
                 break
             else:  # every offer failed
                 self.first_relay.set()

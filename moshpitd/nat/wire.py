@@ -20,11 +20,11 @@ reserve nor forge a step), and at most MAX_PAYLOAD bytes. Steps:
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import msgpack
 
+from moshpitd import timebase
 from moshpitd.auth import AuthError, ReplayCache, SwarmKey
 from moshpitd.identity import PeerKey, peer_id_of, verify
 from moshpitd.transport.dataplane import HEADER, RELAY
@@ -62,7 +62,7 @@ def parse(swarm: SwarmKey | None, op: int, payload: bytes,
 
 
 def reservation(key: PeerKey, relay_id: bytes, now: float | None = None) -> list[Any]:
-    stamp = time.time() if now is None else now
+    stamp = timebase.wall() if now is None else now
     return [key.public, stamp, key.sign(_signed(relay_id, stamp))]
 
 
@@ -72,7 +72,7 @@ def reserver(body: Any, relay_id: bytes, now: float | None = None) -> bytes:
             and isinstance(body[1], float | int) and isinstance(body[2], bytes)):
         raise RelayError("malformed reservation")
     public, stamp, signature = body
-    if abs((time.time() if now is None else now) - float(stamp)) > SIGNED_WINDOW:
+    if abs((timebase.wall() if now is None else now) - float(stamp)) > SIGNED_WINDOW:
         raise RelayError("reservation signed too long ago (or clocks out of sync)")
     if not verify(public, signature, _signed(relay_id, float(stamp))):
         raise RelayError("reservation not signed by the key it names")

@@ -28,10 +28,10 @@ import contextlib
 import logging
 import socket
 import struct
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
+from moshpitd import timebase
 from moshpitd.transport.framecrypt import TAG, FrameCipher, TamperedFrame
 from moshpitd.transport.stats import Stats
 from moshpitd.transport.tcp import set_congestion, set_keepalive
@@ -157,7 +157,7 @@ class Channel(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
         self.bytes_in += nbytes
-        self.last_in = time.monotonic()
+        self.last_in = timebase.monotonic()
         if not self.first_in:
             self.first_in = self.last_in
         if self._filled < self._want:
@@ -256,12 +256,12 @@ class Channel(asyncio.BufferedProtocol):
             self._written += HEADER.size + length + TAG
             self.cipher.buffers.hold(buf, self._written)
         if not self.first_out:
-            self.first_out = time.monotonic()
+            self.first_out = timebase.monotonic()
         if then is not None:
             then()
         if not self._can_write.is_set():
             await self._can_write.wait()
-        self.last_out = time.monotonic()  # the socket took all but its low-water mark
+        self.last_out = timebase.monotonic()  # the socket took all but its low-water mark
 
     def progress(self) -> int:
         """Bytes that really moved: received, plus sent minus what still waits in our write

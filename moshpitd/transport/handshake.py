@@ -38,13 +38,13 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import time
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from moshpitd import timebase
 from moshpitd.auth import OVERHEAD, WINDOW, AuthError, ReplayCache, SwarmKey, timestamp_error
 from moshpitd.identity import PeerKey, peer_id_of, verify
 from moshpitd.transport.framecrypt import KEY_BYTES, FrameCipher
@@ -129,7 +129,7 @@ class Handshake:
         ephemeral = (secret.public_key().public_bytes_raw() if secret is not None
                      else os.urandom(32))
         draft = Hello(route, self.mode, self.key.public, ephemeral,
-                      int(time.time() * 1000), b"", b"")
+                      int(timebase.wall() * 1000), b"", b"")
         signature = self.key.sign(draft.signed(digest, sender, receiver))
         raw = HELLO_FORMAT.pack(VERSION, self.mode, route, self.key.public, ephemeral,
                                 draft.sent_ms, signature)
@@ -175,7 +175,7 @@ class Handshake:
                 "the sender " + ("encrypts" if mode else "does not encrypt") + " its stream "
                 "and this daemon " + ("does" if self.mode else "does not") + ": every daemon of "
                 "a swarm needs the same data_encryption, swarm_key_file and TLS settings")
-        now = time.time()
+        now = timebase.wall()
         if (why := timestamp_error(sent_ms / 1000.0, now, self.window)) is not None:
             raise HandshakeError("HELLO " + why)
         return Hello(group_id, mode, public, ephemeral, sent_ms, signature, bytes(payload))
@@ -190,7 +190,7 @@ class Handshake:
             raise HandshakeError(f"its signature as member {sender} does not verify (another "
                                  "key, or another view of the group)")
         try:  # after the signature: only genuine HELLOs take room in the cache
-            self.replay.check(hello.ephemeral, hello.sent_ms / 1000.0, time.time(),
+            self.replay.check(hello.ephemeral, hello.sent_ms / 1000.0, timebase.wall(),
                               hello.public)
         except AuthError as exc:
             raise HandshakeError(f"HELLO {exc}") from None

@@ -47,11 +47,11 @@ def test_other_key_purpose_or_context_is_refused() -> None:
 def test_stale_or_future_timestamps_are_refused() -> None:
     import time
     for skew in (-40.0, 40.0):
-        with mock.patch("moshpitd.auth.time.time", return_value=time.time() + skew):
+        with mock.patch("moshpitd.timebase.time.time", return_value=time.time() + skew):
             sealed = KEY.seal(b"dht", b"dht", b"x")
         with pytest.raises(AuthError, match="off"):
             KEY.open(b"dht", b"dht", sealed)
-    with mock.patch("moshpitd.auth.time.time", return_value=time.time() - 10):
+    with mock.patch("moshpitd.timebase.time.time", return_value=time.time() - 10):
         assert KEY.open(b"dht", b"dht", KEY.seal(b"dht", b"dht", b"x")) == b"x"
     # the timestamp is covered by the tag: moving it forward does not help
     sealed = bytearray(KEY.seal(b"dht", b"dht", b"x"))
@@ -75,7 +75,7 @@ def test_replays_are_refused_and_the_cache_stays_bounded() -> None:
     with pytest.raises(AuthError, match="replayed"):
         KEY.open(b"dht", b"dht", sealed, cache)
     import time
-    with mock.patch("moshpitd.auth.time.time", return_value=time.time() + 31):
+    with mock.patch("moshpitd.timebase.time.time", return_value=time.time() + 31):
         fresh = KEY.seal(b"dht", b"dht", b"x")
         assert KEY.open(b"dht", b"dht", fresh, cache) == b"x"  # expired nonces made room
     assert len(cache._seen) == 1
@@ -92,7 +92,7 @@ def test_a_message_dated_ahead_is_refused_past_the_future_skew() -> None:
     import time
     now = time.time()
     for ahead, ok in ((FUTURE_SKEW - 0.5, True), (FUTURE_SKEW + 0.5, False), (29.5, False)):
-        with mock.patch("moshpitd.auth.time.time", return_value=now + ahead):
+        with mock.patch("moshpitd.timebase.time.time", return_value=now + ahead):
             sealed = KEY.seal(b"dht", b"dht", b"x")
         if ok:
             assert KEY.open(b"dht", b"dht", sealed, ReplayCache()) == b"x"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from moshpitd import state
+from moshpitd import state, timebase
 from moshpitd.state import StateStore, range_digests
 
 
@@ -26,7 +26,7 @@ def versions(store: StateStore, key: str = "run") -> list[int]:
 
 def test_replaced_versions_expire_unless_leased(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(state.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(timebase.time, "monotonic", lambda: clock[0])
     store = StateStore(FakeDHT(), b"me", "127.0.0.1:1")  # type: ignore[arg-type]
 
     def publish(version: int, key: str = "run") -> None:
