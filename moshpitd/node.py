@@ -39,9 +39,9 @@ from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.rounds import AverageRequest, AverageResult, RoundLog
 from moshpitd.runner import Endpoints, RoundRunner
 from moshpitd.state import StateStore
-from moshpitd.transport.control import Caller, ControlError
+from moshpitd.transport.control import Caller, ControlError, ControlPlane
 from moshpitd.transport.gate import GateLimits
-from moshpitd.transport.grpc_server import AveragerServer, ChannelPool, ServerLimits
+from moshpitd.transport.grpc_server import ServerLimits, grpc_plane
 from moshpitd.transport.handshake import Handshake
 from moshpitd.transport.security import Security
 
@@ -61,7 +61,8 @@ FIRST_CHECK = 5.0  # s a bootstrapped daemon's start waits for its first reachab
 
 class MoshpitNode:
     def __init__(self, config: NodeConfig, metrics: Metrics | None = None,
-                 hooks: Hooks = NO_HOOKS) -> None:
+                 hooks: Hooks = NO_HOOKS, control: ControlPlane | None = None) -> None:
+        """`control`: the control plane (gRPC unless a simulated network gives its own)."""
         self.config = config
         self.metrics = metrics or Metrics()
         security = Security(config.swarm_key, config.tls)
@@ -76,16 +77,12 @@ class MoshpitNode:
                                                  max_bytes=config.dht_max_bytes,
                                                  max_per_writer=config.dht_max_records_per_peer,
                                                  protected=self._protected))
-        self.pool = ChannelPool(config.max_message_bytes, security)
-        self.server = AveragerServer(
-            self._handle_join, self._handle_state, config.max_message_bytes, security,
-            ServerLimits(GateLimits(config.grpc_max_connections_per_address,
-                                    config.grpc_max_connections,
-                                    rate=config.grpc_receive_rate,
-                                    burst=config.grpc_receive_burst,
-                                    accept_rate=config.grpc_accept_rate,
-                                    accept_burst=config.grpc_accept_burst),
-                         config.grpc_max_calls_per_address, config.grpc_write_timeout))
+        control = control or grpc_plane(config.max_message_bytes, security, ServerLimits(
+            GateLimits(config.grpc_max_connections_per_address, config.grpc_max_connections,
+                       rate=config.grpc_receive_rate, burst=config.grpc_receive_burst,
+                       accept_rate=config.grpc_accept_rate, accept_burst=config.grpc_accept_burst),
+            config.grpc_max_calls_per_address, config.grpc_write_timeout))
+        self.server, self.pool = control(self._handle_join, self._handle_state)
         self.metrics.watch_grpc(self.server)
         # identity is always on; encryption whenever a swarm key or TLS says the network is
         # not trusted, unless the operator turned it off

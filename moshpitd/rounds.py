@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -75,7 +74,7 @@ class RoundRecord:
     seconds: float
     matchmaking_seconds: float
     result: str
-    finished: float = field(default_factory=time.time)
+    finished: float = field(default_factory=timebase.wall)
 
 
 class RoundLog:

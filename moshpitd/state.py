@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -74,7 +73,7 @@ class Snapshot:
     version: int
     header: bytes  # msgpack {"tensors": [...], "meta": {...}, "range": int, "digests": [...]}
     data: bytes
-    published: float = field(default_factory=time.monotonic)
+    published: float = field(default_factory=timebase.monotonic)
     leased_until: float = 0.0  # pinned while a joiner downloads it
     grace_until: float = 0.0  # just replaced: a joiner may have read its record
 
@@ -93,7 +92,7 @@ class StateStore:
                       data: bytes, version: int | None = None) -> int:
         # Donors that publish the same version (say, the same training step) are
         # interchangeable, so a download can take its byte ranges from several of them.
-        version = time.time_ns() if version is None else version
+        version = int(timebase.wall() * 1e9) if version is None else version
         # one publish per key at a time: the latest to start is the latest served
         async with self._locks.setdefault(key, asyncio.Lock()):
             digests = await asyncio.to_thread(range_digests, data)

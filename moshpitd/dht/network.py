@@ -6,7 +6,6 @@ import asyncio
 import ipaddress
 import logging
 import socket
-import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -151,7 +150,7 @@ class DHTNode(Server):
 
     def next_version(self) -> int:
         """Versions order one writer's records; they come from its own clock only."""
-        self._last_version = max(self._last_version + 1, time.time_ns())
+        self._last_version = max(self._last_version + 1, int(timebase.wall() * 1e9))
         return self._last_version
 
     async def _nearest(self, dkey: bytes) -> list[Node]:

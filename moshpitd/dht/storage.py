@@ -26,13 +26,13 @@ Bounds that hold against many writers, since peer keys cost nothing to make:
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kademlia.storage import IStorage
 
+from moshpitd import timebase
 from moshpitd.dht.records import MAX_TTL, Proof
 
 # What Python holds per record besides its value and subkey (the StoredSub, its proof's three
@@ -69,7 +69,7 @@ class SubkeyStorage(IStorage):
         max_value_bytes: int = 1024,
         max_bytes: int = 64 << 20,
         max_per_writer: int = 1024,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = timebase.monotonic,
         protected: Callable[[bytes], bool] = lambda writer: False,
     ) -> None:
         self.max_keys = max_keys

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections import Counter
 from collections.abc import Callable
+
+from moshpitd import timebase
 
 IN_FLIGHT = "in_flight"  # the `limit` label of moshpitd_joins_refused_total
 PER_PEER = "per_peer"
@@ -24,7 +25,7 @@ SLOT_MARGIN = 5.0
 
 class JoinAdmission:
     def __init__(self, total: int, per_peer: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = timebase.monotonic) -> None:
         self.total = total
         self.per_peer = per_peer
         self.clock = clock

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import math
 import os
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -44,7 +43,7 @@ class _Follower:
     request: pb.JoinRequest
     tls_binding: bytes = b""
     outbox: asyncio.Queue[pb.JoinResponse] = field(default_factory=asyncio.Queue)
-    joined: float = field(default_factory=time.monotonic)
+    joined: float = field(default_factory=timebase.monotonic)
 
 
 class GroupLeader:

@@ -19,10 +19,11 @@ import contextlib
 import logging
 import math
 import random
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING
+
+from moshpitd import timebase
 
 if TYPE_CHECKING:
     from moshpitd.matchmaking.declaration import Candidate
@@ -45,7 +46,7 @@ class Liveness:
     def __init__(self, probe: Probe, proven_seconds: float = PROVEN_SECONDS,
                  failed_seconds: float = FAILED_SECONDS, capacity: int = CAPACITY,
                  max_in_flight: int = MAX_IN_FLIGHT,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = timebase.monotonic) -> None:
         self.probe = probe
         self.proven_seconds, self.failed_seconds = proven_seconds, failed_seconds
         self.capacity, self.max_in_flight, self.clock = capacity, max_in_flight, clock

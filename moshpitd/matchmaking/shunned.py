@@ -6,9 +6,10 @@ shuns it forms smaller groups meanwhile."""
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
+
+from moshpitd import timebase
 
 SHUN_SECONDS = 120.0
 LIAR_SECONDS = 30 * 86400.0  # an owner caught lying: for as long as a daemon runs, in practice
@@ -17,7 +18,7 @@ CAPACITY = 4096
 
 class Shunned:
     def __init__(self, seconds: float = SHUN_SECONDS, capacity: int = CAPACITY,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = timebase.monotonic) -> None:
         self.seconds, self.capacity, self.clock = seconds, capacity, clock
         self._until: OrderedDict[bytes, float] = OrderedDict()  # by when we shunned them
 

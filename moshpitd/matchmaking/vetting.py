@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from moshpitd import timebase
 from moshpitd.allreduce.group import Group, GroupMember
 from moshpitd.dht.records import Proof, parse_proof
 from moshpitd.matchmaking.declaration import MAX_TTL, Declaration
@@ -111,7 +111,7 @@ class DeclarationBook:
     read: Callable[[], Awaitable[Mapping[bytes, Any]]]  # DHTNode.get_subs under the key
     mine: tuple[bytes, Declaration] | None = None
     local: Callable[[], Mapping[bytes, Any]] | None = None  # DHTNode.local_subs: no lookup
-    clock: Callable[[], float] = time.monotonic
+    clock: Callable[[], float] = timebase.monotonic
     # DHTNode.verify_sub under the key: a record its writer handed us, checked, or None
     verify: Callable[[bytes, bytes, int, Proof], Any] | None = None
 

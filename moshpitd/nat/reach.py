@@ -28,7 +28,6 @@ import ipaddress
 import logging
 import os
 import socket
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -148,7 +147,7 @@ class DialBack:
     source address never sees the cookie, so nobody aims our dials at a third party."""
 
     def __init__(self, swarm: SwarmKey | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = timebase.monotonic) -> None:
         self.swarm = swarm
         self.clock = clock
         self.bucket = Bucket(DIAL_RATE, DIAL_BURST, clock())

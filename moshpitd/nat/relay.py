@@ -21,12 +21,12 @@ import contextlib
 import functools
 import logging
 import os
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from moshpitd import timebase
 from moshpitd.auth import ReplayCache, SwarmKey
 from moshpitd.nat import wire
 from moshpitd.nat.splice import Budget, Half
@@ -69,7 +69,7 @@ class RelayServer:
     def __init__(self, host: str, peer_id: bytes, swarm: SwarmKey | None,
                  limits: RelayLimits, willing: Callable[[], bool],
                  tamper: Callable[[bytes], bytes] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = timebase.monotonic) -> None:
         self.host, self.peer_id, self.swarm = host, peer_id, swarm
         self.limits, self.willing, self.tamper, self.clock = limits, willing, tamper, clock
         self.replay = ReplayCache()

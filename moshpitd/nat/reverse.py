@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,7 +48,7 @@ def _signed(target: bytes, endpoint: str, stamp: float) -> bytes:
 
 class Reversal:
     def __init__(self, key: PeerKey, swarm: SwarmKey | None, pool: SessionPool[Channel],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = timebase.monotonic) -> None:
         self.key, self.swarm, self.pool, self.clock = key, swarm, pool, clock
         # (their advertised data endpoint, their id) -> (the connection they opened, when)
         self.offers: OrderedDict[tuple[str, bytes], tuple[Channel, float]] = OrderedDict()

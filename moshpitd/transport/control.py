@@ -9,11 +9,14 @@ behind a NAT, an in-memory network for a simulated swarm) needs only these two s
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from moshpitd.proto import moshpit_pb2 as pb
+
+if TYPE_CHECKING:
+    from moshpitd.transport.gate import Gate
 
 M = TypeVar("M", covariant=True)
 
@@ -77,6 +80,33 @@ class ControlClient(Protocol):
                  ) -> Answers[pb.StateChunk]: ...
 
 
+class ControlServer(Protocol):
+    """The daemon's side of the control plane: it serves the node's handlers at an address."""
+
+    @property
+    def gate(self) -> Gate | None:
+        """The TCP gate in front of gRPC (transport/gate.py); None without one."""
+
+    @property
+    def refused(self) -> Mapping[str, int]:
+        """Calls and connections refused, by the bound that refused them."""
+
+    async def start(self, host: str, port: int) -> int: ...
+
+    async def draining(self) -> None: ...
+
+    async def stop(self, grace: float = 1.0) -> None: ...
+
+
+class Pool(ControlClient, Protocol):
+    async def close(self) -> None: ...
+
+
+# Builds a node's control plane from its handlers: gRPC (transport/grpc_server.py's `grpc`),
+# or an in-memory network's (moshpitd/virtual/control.py).
+ControlPlane = Callable[[JoinHandler, StateHandler], tuple[ControlServer, Pool]]
+
+
 __all__ = ["CANCELLED", "DEADLINE", "EXHAUSTED", "FAILED", "FAILED_PRECONDITION", "NOT_FOUND",
            "REFUSED", "UNAVAILABLE", "Answers", "Caller", "ControlClient", "ControlError",
-           "JoinHandler", "StateHandler"]
+           "ControlPlane", "ControlServer", "JoinHandler", "Pool", "StateHandler"]

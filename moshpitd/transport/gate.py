@@ -31,11 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from moshpitd import timebase
 from moshpitd.buckets import Bucket, lru_bucket
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Gate:
 
     def __init__(self, target: tuple[str, int], limits: GateLimits = GateLimits(),
                  on_refuse: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = timebase.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         """`clock` and `sleep` pace reads (a test runs them on a virtual clock)."""
         self.target = target

@@ -294,3 +294,12 @@ def _control_error(exc: aio.AioRpcError) -> control.ControlError:
     code = exc.code()
     return control.ControlError(_KINDS.get(code, control.FAILED),
                                 f"{code.name}: {exc.details() or ''}"[:300])
+
+
+def grpc_plane(max_message: int, security: Security, limits: ServerLimits) -> control.ControlPlane:
+    """A daemon's control plane: gRPC behind the gate, and a channel per peer."""
+    def build(join: control.JoinHandler, state: control.StateHandler
+              ) -> tuple[AveragerServer, ChannelPool]:
+        return (AveragerServer(join, state, max_message, security, limits),
+                ChannelPool(max_message, security))
+    return build
