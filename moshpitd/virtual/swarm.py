@@ -76,12 +76,14 @@ class Swarm:
         return peer
 
     def average(self, peer: Peer, key: str, timeout: float, grid: Grid | None = None,
-                group_size: int = 16, min_group_size: int = 2) -> asyncio.Task[Any]:
+                group_size: int = 16, min_group_size: int = 2,
+                initial_coords: tuple[int, ...] | None = None) -> asyncio.Task[Any]:
         """One round of `peer` (in its host's context): its vector is averaged in place."""
         spec = TensorSpec("float32", (self.elems,), 0)
         request = AverageRequest(key, (spec,), timeout=timeout,
                                  group_size=grid.size if grid else group_size,
-                                 min_group_size=min_group_size, grid=grid, rounds=1)
+                                 min_group_size=min_group_size, grid=grid, rounds=1,
+                                 initial_coords=initial_coords)
 
         async def run() -> None:
             try:
