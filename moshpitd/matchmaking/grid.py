@@ -86,10 +86,15 @@ class Grid:
 
 
 def choose_coords(grid: Grid, occupancy: Mapping[Coords, int], rng: random.Random,
-                  initial: Sequence[int] | None = None) -> Coords:
-    """initial_coords if given, else the emptiest cell we can see (ties at random)."""
+                  initial: Sequence[int] | None = None,
+                  cells: Sequence[Coords] | None = None) -> Coords:
+    """initial_coords if given, else the emptiest cell we can see (ties at random): among
+    `cells` (those of the lines we read) when given."""
     if initial is not None:
         return grid.check(initial)
+    if cells:
+        least = min(occupancy.get(c, 0) for c in cells)
+        return rng.choice([c for c in cells if occupancy.get(c, 0) == least])
     if not occupancy:
         return tuple(rng.randrange(grid.size) for _ in range(grid.dims))
     if grid.cells <= 4096:

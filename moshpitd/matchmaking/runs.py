@@ -1,10 +1,17 @@
 """What a daemon knows and declares about one run on the Moshpit grid.
 
-Every peer of a run keeps one record under `{run}/peers` (subkey = peer id): its grid, its fixed
-cell and the round it is about to average in. That one record serves three purposes: a joining
-peer picks the emptiest cell from it, a late peer catches up to the swarm's round from it, and a
-peer learns which line-mates to expect in its group (so a full line assembles at once, and a peer
-alone on its line keeps its value without waiting for nobody).
+Every peer of a run keeps one record (subkey = peer id) under the key of each of its lines,
+`{run}/line/{axis}/{the other coordinates}`: its grid, its fixed cell and the round it is about
+to average in. Those records serve three purposes: a joining peer picks an empty cell from the
+lines it reads, a late peer catches up to its line-mates' round, and a peer learns which
+line-mates to expect in its group (so a full line assembles at once, and a peer alone on its
+line keeps its value without waiting for nobody).
+
+One key per line, not one for the run: a round needs only the peers of one line (M of them), and
+a single key holding every peer was read whole at every matchmaking poll, by every peer, with
+each of its records' signatures checked once per new version: N^2 checks a round, 1M at 1,024
+peers, and more records than one DHT key holds (dht_max_records_per_key). docs/scale.md has the
+numbers.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ MAX_ROUND_LEAD = 64
 # Our own entry, unchanged, is not stored again before this: a round's end already stored the
 # round the next plan declares, and the entry lives ENTRY_TTL.
 REFRESH_AFTER = ENTRY_TTL / 3
+# A joining peer without initial_coords reads this many lines of axis 0 (all of them on a grid
+# with fewer) to find an empty cell: M cells each, so at most M * JOIN_LINES entries.
+JOIN_LINES = 16
 Probe = Callable[[str, bytes], Awaitable[bool]]
 
 log = logging.getLogger(__name__)
@@ -120,15 +130,31 @@ class RunDirectory:
         self._stored: tuple[PeerEntry, float] | None = None  # our entry and when it was stored
         self._storing: asyncio.Future[None] | None = None  # a round's end, stored meanwhile
         self._planned: tuple[int, dict[bytes, PeerEntry]] | None = None  # the plan's read
+        self._lines_stored: frozenset[str] = frozenset()  # where our entry is
+        rows = grid.size ** (grid.dims - 1)  # lines of axis 0
+        picks = [_unrank(i, grid.size, grid.dims - 1)
+                 for i in self.rng.sample(range(rows), min(rows, JOIN_LINES))]
+        self._join_lines = [self.line_key(0, (0, *others)) for others in picks]
+        self._join_cells = [(x, *others) for others in picks for x in range(grid.size)]
 
-    @property
-    def key(self) -> str:
-        return f"{self.run}/peers"
+    def line_key(self, axis: int, coords: Coords) -> str:
+        return line_key(self.run, axis, coords)
 
-    async def peers(self) -> dict[bytes, PeerEntry]:
-        out = {}
+    def lines(self, coords: Coords | None = None) -> list[str]:
+        """The keys of every line through `coords` (ours by default)."""
+        coords = self.coords if coords is None else coords
+        assert coords is not None
+        return [self.line_key(axis, coords) for axis in range(self.grid.dims)]
+
+    async def peers(self, keys: Sequence[str] | None = None) -> dict[bytes, PeerEntry]:
+        """The entries under `keys` (by default our lines, or, before we have a cell, the lines
+        a joiner reads)."""
+        if keys is None:
+            keys = self.lines() if self.coords is not None else self._join_lines
+        reads = await asyncio.gather(*(self.dht.get_subs(k, max_ttl=ENTRY_TTL) for k in keys))
+        out: dict[bytes, PeerEntry] = {}
         others: Counter[Grid] = Counter()
-        for pid, rec in (await self.dht.get_subs(self.key, max_ttl=ENTRY_TTL)).items():
+        for pid, rec in (item for read in reads for item in read.items()):
             if pid == self.peer_id:
                 continue
             entry = PeerEntry.unpack(rec.value)
@@ -137,14 +163,15 @@ class RunDirectory:
             if entry.grid != self.grid:
                 others[entry.grid] += 1
                 continue
-            out[pid] = entry
+            if pid not in out or out[pid].round < entry.round:  # each line has its copy
+                out[pid] = entry
         if out:
             rounds = sorted(e.round for e in out.values())
             limit = rounds[(len(rounds) - 1) // 2] + MAX_ROUND_LEAD
             ahead = [pid for pid, e in out.items() if e.round > limit]
             for pid in ahead:
                 log.debug("%s: ignoring %s's entry at round %d (the run is near %d)",
-                          self.key, pid.hex()[:12], out[pid].round, limit - MAX_ROUND_LEAD)
+                          self.run, pid.hex()[:12], out[pid].round, limit - MAX_ROUND_LEAD)
                 del out[pid]
         members = frozenset(out)
         if members != self._members:
@@ -159,10 +186,11 @@ class RunDirectory:
 
     async def plan(self, initial_coords: Sequence[int] | None) -> RoundPlan:
         """Choose our cell (first time only), catch up to the swarm's round, declare it."""
-        peers = await self.peers()
         if self.coords is None:
-            peers = await self._take_cell(peers, initial_coords)
-        elif initial_coords is not None and tuple(initial_coords) != self.coords:
+            await self._take_cell({} if initial_coords is not None
+                                  else await self.peers(self._join_lines), initial_coords)
+        peers = await self.peers()
+        if initial_coords is not None and tuple(initial_coords) != self.coords:
             raise MatchmakingError(
                 f"run {self.run!r}: this daemon already sits at {self.coords}; coordinates are "
                 "fixed for a run"
@@ -195,9 +223,13 @@ class RunDirectory:
         first = self._planned[1] if self._planned and self._planned[0] == round_ else None
         self._planned = None
 
+        assert self.coords is not None
+        line = [self.line_key(self.grid.axis(round_), self.coords)]
+
         async def watch() -> LineStatus:
             nonlocal first
-            peers, first = (first, None) if first is not None else (await self.peers(), None)
+            peers, first = (first, None) if first is not None else (await self.peers(line),
+                                                                     None)
             status = self._line_status(peers, round_)
             now = timebase.monotonic()
             fresh = [p for p in status.expected if p not in probed and peers[p].endpoint]
@@ -225,18 +257,18 @@ class RunDirectory:
             return peers
         peers = await self._settle(peers)
         self.coords = choose_coords(self.grid, Counter(e.coords for e in peers.values()),
-                                    self.rng)
+                                    self.rng, cells=self._join_cells)
         for _ in range(MAX_MOVES):
             await self.declare(joining=True)
             await asyncio.sleep(SETTLE_INTERVAL)
-            peers = await self.peers()
+            peers = await self.peers(self._join_lines)
             occupancy = Counter(e.coords for e in peers.values())
             rivals = [pid for pid, e in peers.items() if e.coords == self.coords]
-            least = min((occupancy.get(c, 0) for c in self.grid.all_cells()), default=0) \
-                if self.grid.cells <= 4096 else 0
+            least = min(occupancy.get(c, 0) for c in self._join_cells)
             if not rivals or min(rivals) > self.peer_id or occupancy[self.coords] <= least:
                 break
-            self.coords = choose_coords(self.grid, occupancy, self.rng)
+            self.coords = choose_coords(self.grid, occupancy, self.rng,
+                                        cells=self._join_cells)
         return peers
 
     async def _settle(self, peers: dict[bytes, PeerEntry]) -> dict[bytes, PeerEntry]:
@@ -245,7 +277,7 @@ class RunDirectory:
         stable = 0
         for _ in range(SETTLE_READS):
             await asyncio.sleep(SETTLE_INTERVAL)
-            again = await self.peers()
+            again = await self.peers(self._join_lines)
             stable = stable + 1 if set(again) == set(peers) else 0
             peers = again
             if stable >= 2:
@@ -268,8 +300,15 @@ class RunDirectory:
         if self._stored is not None and self._stored[0] == entry \
                 and now - self._stored[1] < REFRESH_AFTER:
             return
-        copies = await self.dht.store_sub(self.key, self.peer_id, entry.pack(), ENTRY_TTL)
-        self._stored = (entry, now) if copies > 1 or self.dht.peer_count() == 0 else None
+        keys = frozenset(self.lines())
+        moved, self._lines_stored = self._lines_stored - keys, keys
+        if moved:  # a joiner that changed cells: line-mates of its old one must not wait for it
+            await asyncio.gather(*(self.dht.withdraw_sub(k, self.peer_id) for k in moved),
+                                 return_exceptions=True)
+        copies = await asyncio.gather(*(self.dht.store_sub(k, self.peer_id, entry.pack(),
+                                                           ENTRY_TTL) for k in sorted(keys)))
+        stored = min(copies) > 1 or self.dht.peer_count() == 0
+        self._stored = (entry, now) if stored else None
 
     async def finish(self, round_: int) -> None:
         """Members leave a round at r + 1, whatever became of it. Stored in the background:
@@ -283,11 +322,26 @@ class RunDirectory:
         try:
             await self._store()
         except Exception as exc:  # the entry expires by itself; the next round stores it
-            log.debug("%s: storing our entry failed: %r", self.key, exc)
+            log.debug("%s: storing our entry failed: %r", self.run, exc)
         finally:
             self._storing = None
 
     async def leave(self) -> None:
         await self._stored_meanwhile()
         self._stored = None
-        await self.dht.withdraw_sub(self.key, self.peer_id)
+        keys, self._lines_stored = self._lines_stored, frozenset()
+        await asyncio.gather(*(self.dht.withdraw_sub(k, self.peer_id) for k in sorted(keys)))
+
+
+def line_key(run: str, axis: int, coords: Sequence[int]) -> str:
+    """The DHT key of the line through `coords` along `axis`."""
+    others = ".".join(str(c) for i, c in enumerate(coords) if i != axis)
+    return f"{run}/line/{axis}/{others}"
+
+
+def _unrank(i: int, size: int, n: int) -> tuple[int, ...]:
+    out = []
+    for _ in range(n):
+        i, c = divmod(i, size)
+        out.append(c)
+    return tuple(reversed(out))

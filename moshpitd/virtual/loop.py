@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# The host whose context this is (net.Host): what a task belongs to, where a socket opens.
+HOST: contextvars.ContextVar[Any] = contextvars.ContextVar("virtual_host", default=None)
+
 
 class Deadlock(RuntimeError):
     """Nothing is ready and no timer is set: whatever the loop waits for can never happen."""
@@ -113,7 +116,6 @@ class VirtualLoop(asyncio.BaseEventLoop):
 
 def _task_factory(loop: VirtualLoop, coro: Any, context: contextvars.Context | None = None
                   ) -> asyncio.Task[Any]:
-    from moshpitd.virtual.net import HOST
     task: asyncio.Task[Any] = asyncio.Task(coro, loop=loop, context=context)
     host = HOST.get() if context is None else context.get(HOST)
     if host is not None:

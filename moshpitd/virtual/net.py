@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moshpitd import timebase
-from moshpitd.virtual.loop import VirtualLoop
+from moshpitd.virtual.loop import HOST, VirtualLoop
 from moshpitd.virtual.streams import Listener, StreamEnd
-
-HOST: contextvars.ContextVar[Host | None] = contextvars.ContextVar("virtual_host", default=None)
 
 EPOCH = 1.8e9  # wall time at virtual time 0: a plausible date (records carry wall-clock ns)
 SYN_TIMEOUT = 20.0  # s a connection to an address nobody answers at waits before it fails

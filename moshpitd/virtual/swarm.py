@@ -17,7 +17,7 @@ from typing import Any
 import kademlia.routing
 import numpy as np
 
-from moshpitd import timebase
+from moshpitd import identity, timebase
 from moshpitd.allreduce.layout import TensorSpec
 from moshpitd.auth import SwarmKey
 from moshpitd.matchmaking.grid import Grid
@@ -53,6 +53,7 @@ class Swarm:
         self.peers: list[Peer] = []
         self.boot: tuple[tuple[str, int], ...] = ()
         self._count = 0
+        identity.MEMO = {}  # the same records are checked by every node: once is enough here
 
     async def add(self, link: Link, vector: np.ndarray[Any, np.dtype[np.float32]],
                   clock_offset: float = 0.0) -> Peer:
@@ -101,3 +102,4 @@ class Swarm:
     async def stop(self) -> None:
         for peer in self.peers:
             await peer.host.start(peer.node.stop())
+        identity.MEMO = None

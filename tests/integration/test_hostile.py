@@ -136,15 +136,17 @@ def test_two_run_records_cannot_hang_a_daemon(swarm: LocalSwarm) -> None:
     from bench.attacks.dht_wire import RawDHT, hostport
     from moshpitd.identity import PeerKey
     from moshpitd.matchmaking.grid import Grid
-    from moshpitd.matchmaking.runs import PeerEntry
+    from moshpitd.matchmaking.runs import PeerEntry, line_key
 
     grid = Grid(4, 2)
     attack = [(PeerEntry(grid, (1, 1), 0), PeerKey.generate()),
               (PeerEntry(grid, (2, 2), 1 << 61, joining=True), PeerKey.generate())]
-    with RawDHT() as raw:
+    with RawDHT() as raw:  # under both lines of the victim's cell, (0, 0)
         for d in swarm.daemons:
             for entry, writer in attack:
-                assert raw.store_sub(hostport(d.dht), "hang-run/peers", writer, entry.pack())
+                for axis in range(grid.dims):
+                    assert raw.store_sub(hostport(d.dht), line_key("hang-run", axis, (0, 0)),
+                                         writer, entry.pack())
         raw.leave(hostport(swarm.daemons[0].dht))
     with moshpit.Client(swarm.sockets[0]) as c:
         began = time.monotonic()
