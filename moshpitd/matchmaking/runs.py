@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -131,11 +132,18 @@ class RunDirectory:
         self._storing: asyncio.Future[None] | None = None  # a round's end, stored meanwhile
         self._planned: tuple[int, dict[bytes, PeerEntry]] | None = None  # the plan's read
         self._lines_stored: frozenset[str] = frozenset()  # where our entry is
+        self._grid_stored = -math.inf  # when our entry was last stored under grid_key
         rows = grid.size ** (grid.dims - 1)  # lines of axis 0
         picks = [_unrank(i, grid.size, grid.dims - 1)
                  for i in self.rng.sample(range(rows), min(rows, JOIN_LINES))]
         self._join_lines = [self.line_key(0, (0, *others)) for others in picks]
         self._join_cells = [(x, *others) for others in picks for x in range(grid.size)]
+
+    @property
+    def grid_key(self) -> str:
+        """Where every peer of the run also keeps its entry, refreshed only as its lifetime
+        needs: a joiner reads it once, to learn whether the run's peers use another grid."""
+        return f"{self.run}/grid"
 
     def line_key(self, axis: int, coords: Coords) -> str:
         return line_key(self.run, axis, coords)
@@ -187,6 +195,7 @@ class RunDirectory:
     async def plan(self, initial_coords: Sequence[int] | None) -> RoundPlan:
         """Choose our cell (first time only), catch up to the swarm's round, declare it."""
         if self.coords is None:
+            await self.peers([self.grid_key])  # refused if the run's peers use another grid
             await self._take_cell({} if initial_coords is not None
                                   else await self.peers(self._join_lines), initial_coords)
         peers = await self.peers()
@@ -302,6 +311,9 @@ class RunDirectory:
             return
         keys = frozenset(self.lines())
         moved, self._lines_stored = self._lines_stored - keys, keys
+        if now - self._grid_stored >= REFRESH_AFTER:
+            self._grid_stored = now
+            keys |= {self.grid_key}
         if moved:  # a joiner that changed cells: line-mates of its old one must not wait for it
             await asyncio.gather(*(self.dht.withdraw_sub(k, self.peer_id) for k in moved),
                                  return_exceptions=True)
@@ -329,7 +341,7 @@ class RunDirectory:
     async def leave(self) -> None:
         await self._stored_meanwhile()
         self._stored = None
-        keys, self._lines_stored = self._lines_stored, frozenset()
+        keys, self._lines_stored = self._lines_stored | {self.grid_key}, frozenset()
         await asyncio.gather(*(self.dht.withdraw_sub(k, self.peer_id) for k in sorted(keys)))
 
 
