@@ -23,6 +23,7 @@ from moshpitd.proto import moshpit_pb2 as pb
 from moshpitd.transport import control
 from moshpitd.transport.control import Caller, ControlError
 from moshpitd.virtual.net import Host, Network
+from moshpitd.virtual.streams import EPSILON
 
 M = TypeVar("M", bound=Message)
 
@@ -84,9 +85,9 @@ class VirtualCall(Generic[M]):
         server = dst.control.get(self._port)
         if self._cancelled:
             return
-        if server is None or not dst.alive:
+        if server is None or not dst.alive:  # its host's kernel resets the connection
             self._post(self.net.transmit(dst, self.src, 64)[1],
-                       ControlError(control.UNAVAILABLE, "connection refused"))
+                       ControlError(control.UNAVAILABLE, "connection refused"), reset=True)
             return
         self._task = asyncio.ensure_future(self._serve(server.handlers[self.method], request))
 
@@ -107,8 +108,8 @@ class VirtualCall(Generic[M]):
             self._post(self.net.transmit(dst, self.src, 64)[1],
                        ControlError(control.FAILED, f"the peer failed: {exc!r}"))
 
-    def _post(self, at: float, item: Any) -> None:
-        if not (self.dst is not None and self.dst.alive):
+    def _post(self, at: float, item: Any, reset: bool = False) -> None:
+        if not reset and not (self.dst is not None and self.dst.alive):
             return
         self._last = at = max(at, self._last)
         self._inbox.append((at, item))
@@ -116,7 +117,7 @@ class VirtualCall(Generic[M]):
 
     # --- the caller's side ----------------------------------------------------------------
     def _deliver(self) -> None:
-        now = self.net.loop.time()
+        now = self.net.loop.time() + EPSILON
         while self._inbox and self._inbox[0][0] <= now:
             self._ready.append(self._inbox.popleft()[1])
         self._wake()

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 SEGMENT = 64 * 1024  # bytes per scheduled delivery
 HIGH, LOW = 64 * 1024, 16 * 1024  # asyncio's default write buffer limits
 EOF, RESET = object(), object()
+# The base loop runs a timer up to its clock resolution early: an item due within this is due.
+EPSILON = 1e-6
 
 
 class StreamEnd(asyncio.Transport):
@@ -83,6 +85,15 @@ class StreamEnd(asyncio.Transport):
         peer._inbox.append((at, item))
         self.loop.call_at(at, peer._deliver, context=peer.host.ctx)
 
+    def _refuse(self) -> None:
+        """Bytes reached an end that is closed: its kernel answers with a reset, as TCP's
+        does, so the sender learns that what it wrote was never read."""
+        peer = self.peer
+        if peer is not None and not peer._lost and item_free(peer):
+            at = self.loop.time() + self.host.link.delay + peer.host.link.delay
+            peer._inbox.append((at, RESET))
+            self.loop.call_at(at, peer._deliver, context=peer.host.ctx)
+
     def _left(self, n: int) -> None:
         self._unsent -= n
         if self._write_paused and self._unsent <= self._low and not self._lost:
@@ -108,7 +119,13 @@ class StreamEnd(asyncio.Transport):
 
     # --- reading --------------------------------------------------------------------------
     def _deliver(self) -> None:
-        now = self.loop.time()
+        now = self.loop.time() + EPSILON
+        if self._lost:
+            if any(t <= now and item is not EOF and item is not RESET
+                   for t, item in self._inbox):
+                self._refuse()
+            self._inbox.clear()
+            return
         while (self._inbox and self._inbox[0][0] <= now and self.protocol is not None
                and not self._read_paused and not self._lost):
             _, item = self._inbox.popleft()
@@ -165,6 +182,8 @@ class StreamEnd(asyncio.Transport):
             return
         self._lost = self._closing = True
         self.host.conns.discard(self)
+        if any(item is not EOF and item is not RESET for _, item in self._inbox):
+            self._refuse()  # unread bytes at close: TCP resets too
         self._inbox.clear()
         if self.protocol is not None:
             self.protocol.connection_lost(exc)
@@ -220,3 +239,8 @@ class Listener:
 
     async def start_serving(self) -> None:
         return None
+
+
+def item_free(end: StreamEnd) -> bool:
+    """Whether `end` has no reset on its way already."""
+    return all(item is not RESET for _, item in end._inbox)
