@@ -63,6 +63,10 @@ class Dist:
                 "uniform:LO:HI")
         return cls(kind, *nums)
 
+    def __str__(self) -> str:
+        nums = [self.a] if self.kind == "const" else [self.a, self.b]
+        return ":".join([self.kind, *(f"{x:g}" for x in nums)])
+
     def draw(self, rng: np.random.Generator) -> float:
         if self.kind == "const":
             return self.a
@@ -170,12 +174,41 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
              f"{row['virtual_s']:.2f} s virtual, {row['wall_s']:.1f} s here")
     if churner is not None:
         churner.cancel()
+    off = explain_off_mean(swarm.peers, truth)
     await swarm.stop()
     return {"peers": args.peers, "grid": [grid.size, grid.dims], "elems": args.elems,
             "filled": fill, "rounds": rows, "setup": setup, "churn": churn,
+            "off_mean": off, "off_mean_why": dict(Counter(o["why"] for o in off)),
             "wall_s": time.perf_counter() - t0, "virtual_s": loop.time(),
             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "links": {k: str(getattr(args, k)) for k in ("delay", "up", "down", "loss")}}
+
+
+def explain_off_mean(peers: list[Peer], truth: np.ndarray[Any, Any]) -> list[dict[str, Any]]:
+    """Every peer whose vector is not the swarm's mean, with its rounds: which were short of a
+    full line (alone, a split group, failed) and its link, so a run says who and why."""
+    out = []
+    for p in peers:
+        error = float(np.max(np.abs(p.vector - truth)))
+        if error <= 1e-5:
+            continue
+        rounds = []
+        for x in p.results:
+            if isinstance(x, AverageResult) and x.rounds:
+                rec = x.rounds[-1]
+                rounds.append({"round": x.last_round, "result": rec.result,
+                               "group": rec.group_size,
+                               "matchmaking_s": round(rec.matchmaking_seconds, 3)})
+            else:
+                rounds.append({"error": f"{type(x).__name__}: {x}"[:120]})
+        short = [r for r in rounds if r.get("result") != "ok"]
+        why = short[0].get("result", "error") if short else "split group"
+        link = p.host.link
+        out.append({"peer": p.index, "ip": p.host.ip, "max_error": error, "why": why,
+                    "rounds": rounds, "link": {"delay_ms": round(link.delay * 1000, 1),
+                                               "up_mbit": round(link.up / MBIT, 1),
+                                               "down_mbit": round(link.down / MBIT, 1)}})
+    return out
 
 
 async def _churn(args: argparse.Namespace, swarm: Swarm, rng: np.random.Generator,
@@ -261,6 +294,12 @@ def report(out: dict[str, Any]) -> None:
               f"{r['off_mean']:>5} {r['failed']:>6} {mm:>7.2f} {rs:>9.2f} "
               f"{r['virtual_s']:>8.2f} {r['dht_datagrams_per_peer']:>8.1f} "
               f"{r['dht_bytes_per_peer']:>10.0f} {r['wall_s']:>7.1f}")
+    if out["off_mean"]:
+        print(f"{len(out['off_mean'])} peers not at the mean at the end, first result short of "
+              f"a full group: {out['off_mean_why']} (a split group: every round 'ok' but some "
+              "with fewer than M members)")
+        for o in out["off_mean"][:5]:
+            print(f"  peer {o['peer']} {o['link']}: {o['rounds']}")
     print(f"wall {out['wall_s']:.1f} s here for {out['virtual_s']:.1f} s virtual; "
           f"max RSS {out['max_rss_mb']:.0f} MB; churn {out['churn']}")
 
