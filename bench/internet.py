@@ -174,7 +174,7 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
              f"{row['virtual_s']:.2f} s virtual, {row['wall_s']:.1f} s here")
     if churner is not None:
         churner.cancel()
-    off = explain_off_mean(swarm.peers, truth)
+    off = explain_off_mean(swarm.peers, truth, grid.size)
     await swarm.stop()
     return {"peers": args.peers, "grid": [grid.size, grid.dims], "elems": args.elems,
             "filled": fill, "rounds": rows, "setup": setup, "churn": churn,
@@ -184,7 +184,8 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "links": {k: str(getattr(args, k)) for k in ("delay", "up", "down", "loss")}}
 
 
-def explain_off_mean(peers: list[Peer], truth: np.ndarray[Any, Any]) -> list[dict[str, Any]]:
+def explain_off_mean(peers: list[Peer], truth: np.ndarray[Any, Any], line: int
+                     ) -> list[dict[str, Any]]:
     """Every peer whose vector is not the swarm's mean, with its rounds: which were short of a
     full line (alone, a split group, failed) and its link, so a run says who and why."""
     out = []
@@ -201,8 +202,10 @@ def explain_off_mean(peers: list[Peer], truth: np.ndarray[Any, Any]) -> list[dic
                                "matchmaking_s": round(rec.matchmaking_seconds, 3)})
             else:
                 rounds.append({"error": f"{type(x).__name__}: {x}"[:120]})
-        short = [r for r in rounds if r.get("result") != "ok"]
-        why = short[0].get("result", "error") if short else "split group"
+        short = [r for r in rounds if r.get("result") != "ok" or r.get("group", 0) < line]
+        why = ("inherited: its own groups were full lines; one it averaged with had "
+               "a short round") if not short else (
+            "split group" if short[0].get("result") == "ok" else short[0].get("result", "error"))
         link = p.host.link
         out.append({"peer": p.index, "ip": p.host.ip, "max_error": error, "why": why,
                     "rounds": rounds, "link": {"delay_ms": round(link.delay * 1000, 1),
@@ -296,8 +299,7 @@ def report(out: dict[str, Any]) -> None:
               f"{r['dht_bytes_per_peer']:>10.0f} {r['wall_s']:>7.1f}")
     if out["off_mean"]:
         print(f"{len(out['off_mean'])} peers not at the mean at the end, first result short of "
-              f"a full group: {out['off_mean_why']} (a split group: every round 'ok' but some "
-              "with fewer than M members)")
+              f"a full line: {out['off_mean_why']}")
         for o in out["off_mean"][:5]:
             print(f"  peer {o['peer']} {o['link']}: {o['rounds']}")
     print(f"wall {out['wall_s']:.1f} s here for {out['virtual_s']:.1f} s virtual; "
