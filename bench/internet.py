@@ -193,7 +193,7 @@ def explain_off_mean(peers: list[Peer], truth: np.ndarray[Any, Any], line: int
         error = float(np.max(np.abs(p.vector - truth)))
         if error <= 1e-5:
             continue
-        rounds = []
+        rounds: list[dict[str, Any]] = []
         for x in p.results:
             if isinstance(x, AverageResult) and x.rounds:
                 rec = x.rounds[-1]

@@ -19,12 +19,19 @@ import selectors
 import socket
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from moshpitd.virtual.net import Network
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class Sockets(Protocol):
+    """Where the loop opens its sockets (net.Network)."""
+
+    def datagram_endpoint(self, factory: Any, port: int) -> Any: ...
+
+    async def connect(self, factory: Any, ip: str, port: int) -> Any: ...
+
+    def listen(self, factory: Any, port: int) -> Any: ...
 
 # The host whose context this is (net.Host): what a task belongs to, where a socket opens.
 HOST: contextvars.ContextVar[Any] = contextvars.ContextVar("virtual_host", default=None)
@@ -65,7 +72,7 @@ class VirtualLoop(asyncio.BaseEventLoop):
         super().__init__()
         self._now = start
         self._selector = _Jump(self)
-        self.net: Network | None = None  # set by Network(loop)
+        self.net: Sockets | None = None  # set by Network(loop)
         self.set_task_factory(_task_factory)  # type: ignore[arg-type]
 
     def time(self) -> float:
@@ -93,7 +100,7 @@ class VirtualLoop(asyncio.BaseEventLoop):
                           proto: int = 0, flags: int = 0) -> list[Any]:
         return [(socket.AF_INET, type or socket.SOCK_STREAM, proto, "", (host, int(port)))]
 
-    def _network(self) -> Network:
+    def _network(self) -> Sockets:
         if self.net is None:
             raise RuntimeError("this virtual loop has no network")
         return self.net

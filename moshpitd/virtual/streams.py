@@ -9,11 +9,44 @@ arrive through an inbox that hands them over in order, however the loop orders e
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from moshpitd.virtual.net import Host
+
+class Link(Protocol):
+    @property
+    def delay(self) -> float: ...
+
+
+class Net(Protocol):
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def transmit(self, src: Any, dst: Any, nbytes: int) -> tuple[float, float]: ...
+
+
+class Host(Protocol):
+    """What a connection needs of its host (net.Host)."""
+
+    @property
+    def net(self) -> Net: ...
+    @property
+    def ip(self) -> str: ...
+    @property
+    def link(self) -> Link: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def up_free(self) -> float: ...
+    @property
+    def ctx(self) -> contextvars.Context: ...
+    @property
+    def conns(self) -> set[StreamEnd]: ...
+    @property
+    def tcp(self) -> dict[int, Listener]: ...
+    @property
+    def sent(self) -> Any: ...
 
 SEGMENT = 64 * 1024  # bytes per scheduled delivery
 HIGH, LOW = 64 * 1024, 16 * 1024  # asyncio's default write buffer limits
