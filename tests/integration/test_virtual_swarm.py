@@ -4,7 +4,11 @@ internet round trips cost virtual time only, so these run in seconds."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +19,7 @@ from moshpitd.virtual import loop as vloop
 from moshpitd.virtual.net import Link, Network
 from moshpitd.virtual.swarm import Peer, Swarm
 
+REPO = Path(__file__).resolve().parents[2]
 GRID = Grid(8, 2)
 LINK = Link(delay=0.02, up=50e6 / 8, down=200e6 / 8)  # 80 ms round trips, no loss
 
@@ -81,3 +86,19 @@ def test_a_killed_peers_line_mates_average_without_it() -> None:
                      if not 8 <= p.index < 16)
     assert set(others) <= {"ok", "alone"} and others["ok"] >= 55, others
     assert took < 30, took
+
+
+def test_bench_internet_reports_every_round(tmp_path: Path) -> None:
+    """The long benchmark's smoke: 16 peers, 3 rounds, its JSON and plot."""
+    plot = tmp_path / "convergence.png"
+    proc = subprocess.run([sys.executable, "-m", "bench.internet", "--peers", "16", "--rounds",
+                           "3", "--delay", "const:5", "--loss", "const:0", "--json",
+                           "--plot", str(plot)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["grid"] == [4, 2] and out["filled"] and len(out["rounds"]) == 3
+    first, *rest = out["rounds"]
+    assert first["mse_to_mean"] > 1.0 and all(r["mse_to_mean"] < 1e-9 for r in rest[1:]), out
+    assert all(r["dht_datagrams_per_peer"] > 0 and r["virtual_s"] > 0 for r in out["rounds"])
+    assert out["off_mean"] == [] and plot.stat().st_size > 0
