@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from moshpitd.config import BY_KEY
 from moshpitd.matchmaking.grid import Grid
 from moshpitd.rounds import AverageResult
 from moshpitd.virtual import loop as vloop
@@ -265,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="standard deviation of the hosts' wall clocks, s")
     p.add_argument("--churn", type=float, default=0.0,
                    help="peers leaving, and as many joining, per hour")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a daemon option for every peer (moshpitd's config keys), repeatable")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write a PNG of convergence against virtual time")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -272,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.grid = args.grid or default_grid(args.peers)
     args.options = {}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        if key not in BY_KEY or not value:
+            p.error(f"--option {item!r}: want KEY=VALUE with a moshpitd option")
+        args.options[key] = BY_KEY[key].parse(value)
     if args.peers < 2 or args.rounds < 1:
         p.error("need --peers >= 2 and --rounds >= 1")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
