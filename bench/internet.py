@@ -8,10 +8,11 @@ uplink and a downlink rate, a datagram loss rate. `--churn` kills peers (their p
 connections reset, nothing drained) and starts new ones, at that many of each per hour.
 
 Rounds are synchronous, as in the paper's averaging experiment: every live peer starts round r
-at once and the next starts when all have finished. Per round the report gives the mean squared
-distance of the peers' vectors to the swarm's mean (the mean of the initial vectors; with churn,
-the spread around the present peers' mean as well), group sizes, virtual matchmaking and round
-times, DHT datagrams and bytes per peer, failed rounds, and the wall time the round took here.
+at once (or up to --jitter s late) and the next starts when all have finished. Per round the
+report gives the mean squared distance of the peers' vectors to the swarm's mean (the mean of
+the initial vectors; with churn, the spread around the present peers' mean as well), group
+sizes, virtual matchmaking and round times, DHT datagrams and bytes per peer, failed rounds,
+and the wall time the round took here.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
         start, w0 = loop.time(), time.perf_counter()
         before = totals(swarm.peers, gone)
         tasks = [swarm.average(p, "sim", args.timeout, grid=grid,
-                               initial_coords=cells[p.index] if fill else None)
+                               initial_coords=cells[p.index] if fill else None,
+                               after=float(rng.uniform(0, args.jitter)))
                  for p in list(swarm.peers)]
         await asyncio.gather(*tasks, return_exceptions=True)
         row = round_row(r, swarm.peers, before, truth, time.perf_counter() - w0, start,
@@ -262,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="downlink Mbit/s (default lognormal:300:0.8)")
     p.add_argument("--loss", type=Dist.parse, default=Dist("const", 0.002),
                    help="datagram loss rate (default const:0.002)")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="each peer starts each round up to this many s late (uniform): "
+                   "trainers' steps never end at one instant")
     p.add_argument("--clock-skew", type=float, default=0.0,
                    help="standard deviation of the hosts' wall clocks, s")
     p.add_argument("--churn", type=float, default=0.0,

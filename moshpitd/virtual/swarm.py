@@ -78,8 +78,10 @@ class Swarm:
 
     def average(self, peer: Peer, key: str, timeout: float, grid: Grid | None = None,
                 group_size: int = 16, min_group_size: int = 2,
-                initial_coords: tuple[int, ...] | None = None) -> asyncio.Task[Any]:
-        """One round of `peer` (in its host's context): its vector is averaged in place."""
+                initial_coords: tuple[int, ...] | None = None, after: float = 0.0
+                ) -> asyncio.Task[Any]:
+        """One round of `peer` (in its host's context), `after` s from now: its vector is
+        averaged in place."""
         spec = TensorSpec("float32", (self.elems,), 0)
         request = AverageRequest(key, (spec,), timeout=timeout,
                                  group_size=grid.size if grid else group_size,
@@ -87,6 +89,7 @@ class Swarm:
                                  initial_coords=initial_coords)
 
         async def run() -> None:
+            await asyncio.sleep(after)
             try:
                 buffer = memoryview(peer.vector.view(np.uint8))  # type: ignore[arg-type]
                 peer.results.append(await peer.node.average(request, buffer))
