@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -155,6 +156,7 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
     truth = vectors.astype(np.float64).mean(0)
     setup = {"wall_s": time.perf_counter() - t0, "virtual_s": loop.time()}
     _log(f"{args.peers} peers up: {setup['wall_s']:.1f} s here, {loop.time():.1f} s virtual")
+    lookups = await check_lookups(swarm, args.check_lookups) if args.check_lookups else None
     gone: Counter[str] = Counter()
     churn = {"left": 0, "joined": 0}
     churner = (asyncio.ensure_future(_churn(args, swarm, rng, gone, churn))
@@ -180,11 +182,37 @@ async def simulate(args: argparse.Namespace) -> dict[str, Any]:
     off = explain_off_mean(swarm.peers, truth, grid.size)
     await swarm.stop()
     return {"peers": args.peers, "grid": [grid.size, grid.dims], "elems": args.elems,
-            "filled": fill, "rounds": rows, "setup": setup, "churn": churn,
+            "filled": fill, "rounds": rows, "setup": setup, "churn": churn, "lookups": lookups,
             "off_mean": off, "off_mean_why": dict(Counter(o["why"] for o in off)),
             "wall_s": time.perf_counter() - t0, "virtual_s": loop.time(),
             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "links": {k: str(getattr(args, k)) for k in ("delay", "up", "down", "loss")}}
+
+
+async def check_lookups(swarm: Swarm, keys: int, askers: int = 20) -> dict[str, Any]:
+    """How well the DHT's lookups agree: for `keys` keys, `askers` random peers each look up the
+    nodes that hold its records (the daemon's own `_nearest`), against the true closest by XOR
+    distance. Records stored through one answer and read through another are not seen."""
+    rng = np.random.default_rng(1)
+    ids = [p.node.peer_id for p in swarm.peers]
+    found, distinct, datagrams = [], [], []
+    for k in range(keys):
+        key = hashlib.sha1(f"lookup-check-{k}".encode()).digest()
+        target = int.from_bytes(key, "big")
+        replicas = swarm.peers[0].node.dht.protocol.replicas
+        true = set(sorted(ids, key=lambda i: int.from_bytes(i, "big") ^ target)[:replicas])
+        chosen = [swarm.peers[int(i)] for i in rng.choice(len(swarm.peers), askers, False)]
+        before = sum(p.host.sent["datagrams"] for p in swarm.peers)
+        answers = await asyncio.gather(*(p.host.start(p.node.dht._nearest(key))
+                                         for p in chosen))
+        datagrams.append((sum(p.host.sent["datagrams"] for p in swarm.peers) - before) / askers)
+        sets = [frozenset(bytes(n.id) for n in a[:replicas]) for a in answers]
+        found += [len(s & true) / replicas for s in sets]
+        distinct.append(len(set(sets)))
+    out = {"true_replicas_found": float(np.mean(found)), "distinct_answers": distinct,
+           "datagrams_per_lookup": float(np.mean(datagrams))}
+    _log(f"lookups: {out}")
+    return out
 
 
 def explain_off_mean(peers: list[Peer], truth: np.ndarray[Any, Any], line: int
@@ -273,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="peers leaving, and as many joining, per hour")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a daemon option for every peer (moshpitd's config keys), repeatable")
+    p.add_argument("--check-lookups", type=int, default=0, metavar="KEYS",
+                   help="before the rounds, check how well DHT lookups of KEYS keys agree")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write a PNG of convergence against virtual time")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
