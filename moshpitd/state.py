@@ -92,7 +92,7 @@ class StateStore:
                       data: bytes, version: int | None = None) -> int:
         # Donors that publish the same version (say, the same training step) are
         # interchangeable, so a download can take its byte ranges from several of them.
-        version = int(timebase.wall() * 1e9) if version is None else version
+        version = timebase.wall_ns() if version is None else version
         # one publish per key at a time: the latest to start is the latest served
         async with self._locks.setdefault(key, asyncio.Lock()):
             digests = await asyncio.to_thread(range_digests, data)

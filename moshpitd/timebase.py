@@ -34,3 +34,9 @@ def wall() -> float:
     """Seconds since the epoch: what peers compare (record dates, expirations)."""
     clock = CLOCK.get()
     return time.time() if clock is None else clock.wall()
+
+
+def wall_ns() -> int:
+    """`wall` in integer nanoseconds, exact on the system clock: record versions."""
+    clock = CLOCK.get()
+    return time.time_ns() if clock is None else int(clock.wall() * 1e9)

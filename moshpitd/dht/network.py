@@ -150,7 +150,7 @@ class DHTNode(Server):
 
     def next_version(self) -> int:
         """Versions order one writer's records; they come from its own clock only."""
-        self._last_version = max(self._last_version + 1, int(timebase.wall() * 1e9))
+        self._last_version = max(self._last_version + 1, timebase.wall_ns())
         return self._last_version
 
     async def _nearest(self, dkey: bytes) -> list[Node]:
