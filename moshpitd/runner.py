@@ -124,6 +124,7 @@ class RoundRunner:
         records: list[tuple[int, RoundOutcome]] = []
         for _ in range(request.rounds):
             plan = await run.plan(request.initial_coords)
+            out = None
             try:
                 clock = self.clock(final - timebase.monotonic())
                 if clock.remaining() <= 0:
@@ -133,7 +134,8 @@ class RoundRunner:
                                         grid.size, single_attempt=True,
                                         watcher=run.watcher(plan.round))
             finally:
-                await run.finish(plan.round)
+                await run.finish(plan.round, met=out is None
+                                 or out.record.result != "matchmaking_failed")
             records.append((plan.round, out))
             if out.group is None:  # a group of one keeps its value
                 weight = carried_weight(weight, 1)

@@ -133,6 +133,7 @@ class RunDirectory:
         self._planned: tuple[int, dict[bytes, PeerEntry]] | None = None  # the plan's read
         self._lines_stored: frozenset[str] = frozenset()  # where our entry is
         self._grid_stored = -math.inf  # when our entry was last stored under grid_key
+        self._mates_behind = False  # the planned round's line-mates were at earlier rounds
         rows = grid.size ** (grid.dims - 1)  # lines of axis 0
         picks = [_unrank(i, grid.size, grid.dims - 1)
                  for i in self.rng.sample(range(rows), min(rows, JOIN_LINES))]
@@ -209,6 +210,10 @@ class RunDirectory:
         self.round = plan_round(self.grid, self.round, self.coords,
                                 [(self.coords if e.joining else e.coords, e.round)
                                  for e in peers.values()])
+        line = self.grid.line(self.round, self.coords)
+        self._mates_behind = any(not e.joining and e.round < self.round
+                                 and self.grid.line(self.round, e.coords) == line
+                                 for e in peers.values())
         await self.declare()
         self._planned = (self.round, peers)
         return RoundPlan(self.round, self.grid.group_key(self.run, self.round, self.coords),
@@ -322,10 +327,17 @@ class RunDirectory:
         stored = min(copies) > 1 or self.dht.peer_count() == 0
         self._stored = (entry, now) if stored else None
 
-    async def finish(self, round_: int) -> None:
-        """Members leave a round at r + 1, whatever became of it. Stored in the background:
-        the trainer need not wait a round trip for it; the next plan or leave waits for it."""
-        self.round = max(self.round, round_ + 1)
+    async def finish(self, round_: int, met: bool = True) -> None:
+        """Members leave a round at r + 1, whatever became of it, with one exception. A
+        joiner's first round whose line-mates never came (`met` False: matchmaking failed)
+        while they were still at an earlier round is kept, and the next plan asks for it
+        again (plan_round moves on if they have). A peer that joined one round late, past
+        line-mates that had finished it, otherwise stayed one round ahead of them for good:
+        each of its rounds came before theirs. Later rounds move on, so line-mates that sit
+        out cost one round, not every one. Stored in the background: the trainer need not
+        wait a round trip for it; the next plan or leave waits for it."""
+        held = not met and self._mates_behind and self.rounds_done == 0
+        self.round = max(self.round, round_ if held else round_ + 1)
         self.rounds_done += 1
         await self._stored_meanwhile()
         self._storing = asyncio.ensure_future(self._declare_quietly())
