@@ -66,8 +66,10 @@ MAX_ROUND_LEAD = 64
 # round the next plan declares, and the entry lives ENTRY_TTL.
 REFRESH_AFTER = ENTRY_TTL / 3
 # A joining peer without initial_coords reads this many lines of axis 0 (all of them on a grid
-# with fewer) to find an empty cell: M cells each, so at most M * JOIN_LINES entries.
-JOIN_LINES = 16
+# with fewer) to find an empty cell: M cells each, so at most M * JOIN_LINES entries. Each of
+# its settle and move reads reads them all: at 16, eight joiners under churn sent 12,000
+# record reads in one round of a 64-peer swarm (docs/scale.md).
+JOIN_LINES = 4
 Probe = Callable[[str, bytes], Awaitable[bool]]
 
 log = logging.getLogger(__name__)
