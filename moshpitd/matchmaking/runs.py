@@ -151,11 +151,10 @@ class RunDirectory:
     def line_key(self, axis: int, coords: Coords) -> str:
         return line_key(self.run, axis, coords)
 
-    def lines(self, coords: Coords | None = None) -> list[str]:
-        """The keys of every line through `coords` (ours by default)."""
-        coords = self.coords if coords is None else coords
-        assert coords is not None
-        return [self.line_key(axis, coords) for axis in range(self.grid.dims)]
+    def lines(self) -> list[str]:
+        """The keys of every line through our cell."""
+        assert self.coords is not None
+        return [self.line_key(axis, self.coords) for axis in range(self.grid.dims)]
 
     async def peers(self, keys: Sequence[str] | None = None) -> dict[bytes, PeerEntry]:
         """The entries under `keys` (by default our lines, or, before we have a cell, the lines

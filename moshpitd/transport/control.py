@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from moshpitd.proto import moshpit_pb2 as pb
 
@@ -70,6 +70,20 @@ class Answers(Protocol[M]):
     def cancel(self) -> None: ...
 
 
+class AnswerStream(Generic[M]):
+    """What every `Answers` implementation shares: iteration is `read` until the end."""
+
+    async def read(self) -> M | None:
+        raise NotImplementedError
+
+    async def _answers(self) -> AsyncIterator[M]:
+        while (answer := await self.read()) is not None:
+            yield answer
+
+    def __aiter__(self) -> AsyncIterator[M]:
+        return self._answers()
+
+
 class ControlClient(Protocol):
     """The calls a daemon makes to peers, each at `endpoint` (host:port)."""
 
@@ -107,6 +121,23 @@ class Pool(ControlClient, Protocol):
 ControlPlane = Callable[[JoinHandler, StateHandler], tuple[ControlServer, Pool]]
 
 
-__all__ = ["CANCELLED", "DEADLINE", "EXHAUSTED", "FAILED", "FAILED_PRECONDITION", "NOT_FOUND",
-           "REFUSED", "UNAVAILABLE", "Answers", "Caller", "ControlClient", "ControlError",
-           "ControlPlane", "ControlServer", "JoinHandler", "Pool", "StateHandler"]
+__all__ = [
+    "CANCELLED",
+    "DEADLINE",
+    "EXHAUSTED",
+    "FAILED",
+    "FAILED_PRECONDITION",
+    "NOT_FOUND",
+    "REFUSED",
+    "UNAVAILABLE",
+    "AnswerStream",
+    "Answers",
+    "Caller",
+    "ControlClient",
+    "ControlError",
+    "ControlPlane",
+    "ControlServer",
+    "JoinHandler",
+    "Pool",
+    "StateHandler",
+]

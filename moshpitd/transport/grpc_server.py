@@ -7,7 +7,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 from grpc import aio
@@ -258,7 +258,7 @@ _KINDS = {
 _STATUS = {kind: code for code, kind in _KINDS.items() if code != grpc.StatusCode.PERMISSION_DENIED}
 
 
-class GrpcAnswers(Generic[M]):
+class GrpcAnswers(control.AnswerStream[M]):
     """transport/control.py's `Answers` over a grpc.aio unary-stream call: its EOF is None,
     its status a ControlError of the matching kind."""
 
@@ -278,13 +278,6 @@ class GrpcAnswers(Generic[M]):
                                            ) from None
             raise
         return None if answer is aio.EOF else cast(M, answer)
-
-    async def _answers(self) -> AsyncIterator[M]:
-        while (answer := await self.read()) is not None:
-            yield answer
-
-    def __aiter__(self) -> AsyncIterator[M]:
-        return self._answers()
 
     def cancel(self) -> None:
         self._call.cancel()

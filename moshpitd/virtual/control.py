@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
@@ -54,7 +54,7 @@ class VirtualServer:
             del self.host.control[self.port]
 
 
-class VirtualCall(Generic[M]):
+class VirtualCall(control.AnswerStream[M]):
     """One call's answers, as the caller reads them (control.Answers)."""
 
     def __init__(self, net: Network, src: Host, endpoint: str, method: str, request: Message,
@@ -158,13 +158,6 @@ class VirtualCall(Generic[M]):
                 await self._waiter
             finally:
                 self._waiter = None
-
-    async def _answers(self) -> AsyncIterator[M]:
-        while (answer := await self.read()) is not None:
-            yield answer
-
-    def __aiter__(self) -> AsyncIterator[M]:
-        return self._answers()
 
     def cancel(self) -> None:
         if not (self._cancelled or self._ended):

@@ -118,14 +118,13 @@ class StreamEnd(asyncio.Transport):
         peer._inbox.append((at, item))
         self.loop.call_at(at, peer._deliver, context=peer.host.ctx)
 
-    def _refuse(self) -> None:
-        """Bytes reached an end that is closed: its kernel answers with a reset, as TCP's
-        does, so the sender learns that what it wrote was never read."""
+    def _reset_peer(self) -> None:
+        """Tell the other end its connection is reset (once): we aborted, or bytes reached us
+        after we closed, which a TCP kernel answers with a reset too, so the sender learns
+        that what it wrote was never read."""
         peer = self.peer
-        if peer is not None and not peer._lost and item_free(peer):
-            at = self.loop.time() + self.host.link.delay + peer.host.link.delay
-            peer._inbox.append((at, RESET))
-            self.loop.call_at(at, peer._deliver, context=peer.host.ctx)
+        if peer is not None and not peer._lost and all(i is not RESET for _, i in peer._inbox):
+            self._send(self.loop.time() + self.host.link.delay + peer.host.link.delay, RESET)
 
     def _left(self, n: int) -> None:
         self._unsent -= n
@@ -156,7 +155,7 @@ class StreamEnd(asyncio.Transport):
         if self._lost:
             if any(t <= now and item is not EOF and item is not RESET
                    for t, item in self._inbox):
-                self._refuse()
+                self._reset_peer()
             self._inbox.clear()
             return
         while (self._inbox and self._inbox[0][0] <= now and self.protocol is not None
@@ -205,9 +204,7 @@ class StreamEnd(asyncio.Transport):
         if self._lost:
             return
         self._closing = True
-        if self.peer is not None:
-            self._send(self.loop.time() + self.host.link.delay + self.peer.host.link.delay,
-                       RESET)
+        self._reset_peer()
         self.loop.call_soon(self._lose, None, context=self.host.ctx)
 
     def _lose(self, exc: BaseException | None) -> None:
@@ -216,7 +213,7 @@ class StreamEnd(asyncio.Transport):
         self._lost = self._closing = True
         self.host.conns.discard(self)
         if any(item is not EOF and item is not RESET for _, item in self._inbox):
-            self._refuse()  # unread bytes at close: TCP resets too
+            self._reset_peer()  # unread bytes at close: TCP resets too
         self._inbox.clear()
         if self.protocol is not None:
             self.protocol.connection_lost(exc)
@@ -273,7 +270,3 @@ class Listener:
     async def start_serving(self) -> None:
         return None
 
-
-def item_free(end: StreamEnd) -> bool:
-    """Whether `end` has no reset on its way already."""
-    return all(item is not RESET for _, item in end._inbox)

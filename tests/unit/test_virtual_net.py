@@ -50,10 +50,13 @@ def test_datagrams_cross_the_link_at_its_delay_and_rate() -> None:
     async def main() -> list[tuple[float, int]]:
         net, a, b = two_hosts()
         got: list[tuple[float, int]] = []
+        both = net.loop.create_future()
 
         class Rx(asyncio.DatagramProtocol):
             def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
                 got.append((net.loop.time(), len(data)))
+                if len(got) == 2:
+                    both.set_result(None)
 
         async def setup() -> None:
             await net.loop.create_datagram_endpoint(Rx, local_addr=(b.ip, 9000))
@@ -65,7 +68,7 @@ def test_datagrams_cross_the_link_at_its_delay_and_rate() -> None:
             for _ in range(2):
                 tx.sendto(bytes(972), (b.ip, 9000))
         await a.start(send())
-        await asyncio.sleep(1)
+        await both
         return got
     got = vloop.run(main)
     # 1000 bytes on the wire each: 1 ms up, 100 ms of delay, 1 ms down; the second queues
