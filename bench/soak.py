@@ -51,6 +51,8 @@ class Summary:
     crashes: int = 0  # daemons that died without being killed
     group_sizes: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    # per round: (wall clock at its start, s averaging, s restarting the killed peer, complete)
+    timeline: list[tuple[float, float, float, bool]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     def report(self) -> dict[str, Any]:
@@ -58,6 +60,8 @@ class Summary:
         out = asdict(self)
         out.pop("group_sizes")
         out.pop("seconds")
+        out["timeline"] = [(round(t, 3), round(a, 3), round(r, 3), c)
+                           for t, a, r, c in self.timeline]
         out["problems"] = self.problems[:20]
         out["mean_group_size"] = float(np.mean(self.group_sizes)) if self.group_sizes else 0.0
         out["p50_seconds"] = float(np.percentile(secs, 50))
@@ -138,7 +142,7 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
             threads = [threading.Thread(target=trainer, args=(i,)) for i in range(peers)]
             for th in threads:
                 th.start()
-            started = time.monotonic()
+            started, wall = time.monotonic(), time.time()
             time.sleep(delay)
             daemons[victim].kill()  # SIGKILL, somewhere in matchmaking or the all-reduce
             for th in threads:
@@ -170,6 +174,8 @@ def run(peers: int, rounds: int, seed: int, workdir: Path, verbose: bool,
             daemons[victim] = start_daemon(f"d{victim}r{restarts[victim]}", swarm.workdir,
                                            alive, log_level, extra_args)
             swarm.daemons.append(daemons[victim])
+            summary.timeline.append((wall, averaged - started, time.monotonic() - averaged,
+                                     exact == peers - 1))
             if verbose:
                 sizes = [o[1].group_size if isinstance(o, tuple) else 0 for o in outcome]
                 print(f"round {rnd:3d}: killed {victim} after {delay * 1000:.0f} ms; "

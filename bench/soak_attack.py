@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
 from bench.attacks.targets import write_targets
@@ -208,6 +209,20 @@ def compare(setup: Setup, workdir: Path) -> Comparison:
     return Comparison(setup, a, b)
 
 
+def by_attack(timeline: list[tuple[float, float, float, bool]],
+              slots: list[tuple[str, float, float]]) -> dict[str, list[float]]:
+    """Per attack: the rounds that began in its slots, and their mean seconds averaging and
+    restarting the killed peer (what each attack costs the soak, attributed by the clock)."""
+    rounds: dict[str, list[tuple[float, float]]] = {}
+    for began, averaging, restarting, _ in timeline:
+        for name, start, end in slots:
+            if start <= began < end:
+                rounds.setdefault(name, []).append((averaging, restarting))
+                break
+    return {name: [len(got), *(sum(x) / len(got) for x in zip(*got, strict=True))]
+            for name, got in rounds.items()}
+
+
 def print_report(c: Comparison) -> None:
     setup, a, b, met = c.setup, c.burner, c.attack, c.goals()
     print(f"{setup.peers} peers, {setup.rounds} rounds a phase (seed {setup.seed}), one SIGKILL "
@@ -237,6 +252,14 @@ def print_report(c: Comparison) -> None:
         for attack, got in b.attacker["attacks"].items():
             counts = ", ".join(f"{k} {v}" for k, v in got["counts"].items())
             print(f"  {attack} ({got['seconds']:.0f} s): {counts}")
+        a_rounds = a.summary.timeline
+        if a_rounds:
+            print(f"  s averaging / restarting per round, mean: A "
+                  f"{mean(r[1] for r in a_rounds):.2f} / {mean(r[2] for r in a_rounds):.2f}; "
+                  f"B by the attack it began under:")
+        for name, (n, averaging, restarting) in by_attack(b.summary.timeline,
+                                                          b.attacker["slots"]).items():
+            print(f"    {name}: {averaging:.2f} / {restarting:.2f} ({n:.0f} rounds)")
         if b.attacker["errors"]:
             print(f"  attacker errors: {b.attacker['errors']}")
     print(f"daemons refused (A): {da['refusals']}")

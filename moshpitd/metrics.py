@@ -333,7 +333,8 @@ class _DHTCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily("moshpitd_dht_rpcs", "DHT RPCs: received by name, sent "
-                                     "(any name) by whether the peer answered",
+                                     "(any name) by whether the peer answered, and requests "
+                                     "sent again (result resent) when an answer was late",
                                      labels=["direction", "rpc", "result"])
         for (direction, rpc, result), count in sorted(self.rpcs().items()):
             family.add_metric([direction, rpc, result], count)

@@ -52,6 +52,7 @@ class Attacker:
                  report: Path | None) -> None:
         self.attacks, self.targets, self.slot, self.report_path = attacks, targets, slot, report
         self.seconds: dict[str, float] = {}
+        self.slots: list[tuple[str, float, float]] = []  # (attack, wall start, wall end)
         self.errors: Counter[str] = Counter()
         self.rotations = 0  # turns of the whole mix completed
         self.stopping = threading.Event()
@@ -61,7 +62,7 @@ class Attacker:
         while not self.stopping.is_set():
             attack = self.attacks[turn % len(self.attacks)]
             turn += 1
-            began = time.monotonic()
+            began, wall = time.monotonic(), time.time()
             try:
                 while time.monotonic() - began < self.slot and not self.stopping.is_set():
                     try:
@@ -76,6 +77,7 @@ class Attacker:
                     self._error(attack, exc)
                 self.seconds[attack.name] = (self.seconds.get(attack.name, 0.0)
                                              + time.monotonic() - began)
+                self.slots.append((attack.name, round(wall, 3), round(time.time(), 3)))
                 self.rotations += turn % len(self.attacks) == 0
                 self.write_report()
 
@@ -88,7 +90,7 @@ class Attacker:
     def report(self) -> dict[str, object]:
         return {"attacks": {a.name: {"seconds": round(self.seconds.get(a.name, 0.0), 2),
                                      "counts": dict(a.counts)} for a in self.attacks},
-                "rotations": self.rotations, "errors": dict(self.errors)}
+                "slots": self.slots, "rotations": self.rotations, "errors": dict(self.errors)}
 
     def write_report(self) -> None:
         if self.report_path is not None:

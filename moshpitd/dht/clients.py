@@ -42,6 +42,12 @@ class Outgoing:
         self.inner, self.auth, self.client = inner, auth, client
 
     def sendto(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.send(data, addr)
+        if data[:1] == REQUEST:  # (rpcudp's requests, and ours, all leave through here)
+            self.client.resender.sent(data, addr)
+
+    def send(self, data: bytes, addr: tuple[str, int]) -> None:
+        """Marked and sealed, but not tracked: a copy sent again comes through here."""
         if self.client.client and data[:1] == REQUEST:
             data = CLIENT_REQUEST + data[1:]
         if self.auth is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 NEAREST_CACHE_SECONDS = 10.0
+# bytes of datagrams the kernel may queue for the DHT socket (Linux's default is 208 KiB; it
+# caps this at net.core.rmem_max): a burst of junk overflows a small buffer, and the kernel
+# then drops honest datagrams with it (requests lost that way are sent again: dht/resend.py)
+RECEIVE_BUFFER = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,10 @@ class DHTNode(Server):
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         await self.listen(port, interface=host)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # (a virtual network's has none)
+            with contextlib.suppress(OSError):  # the kernel caps it at net.core.rmem_max
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         bound = self.transport.get_extra_info("sockname")
         return str(bound[0]), int(bound[1])
 

@@ -22,6 +22,7 @@ from moshpitd.buckets import Bucket, lru_bucket
 from moshpitd.dht.answered import Answered
 from moshpitd.dht.clients import CLIENT_REQUEST, REPLY, REQUEST, NatRPCs, Outgoing, from_client
 from moshpitd.dht.records import Proof, RecordVerifier, remaining
+from moshpitd.dht.resend import Resender
 from moshpitd.dht.storage import StoredSub, SubkeyStorage
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def _is_id(value: object) -> bool:
 
 class SubkeyProtocol(NatRPCs, KademliaProtocol):
     storage: SubkeyStorage
+    resender: Resender  # set once the socket is open (connection_made)
 
     def __init__(
         self, source_node: Node, storage: SubkeyStorage, ksize: int, wait_timeout: float,
@@ -100,7 +102,9 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
     def connection_made(self, transport: Any) -> None:
         # with a swarm key every datagram we send, request or reply, leaves sealed; a client's
         # requests leave marked (dht/clients.py)
-        super().connection_made(Outgoing(transport, self.auth, self))
+        out = Outgoing(transport, self.auth, self)
+        self.resender = Resender(out.send, self._outstanding, self._wait_timeout, self.rpcs)
+        super().connection_made(out)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self.auth is not None:
@@ -129,6 +133,7 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
             return
         if datagram[:1] == REPLY:
             if msg_id in self._outstanding:
+                self.resender.answered(msg_id, address)
                 self._accept_response(msg_id, data, address)
             return
         if not (isinstance(data, list) and len(data) == 2 and isinstance(data[0], str)):
