@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from moshpitd.transport.handshake import ENCRYPTED
 log = logging.getLogger("moshpitd.node")
 
 Probe = Callable[[str, bytes], Awaitable[bool]]  # (endpoint, peer id): did that peer answer
+PARTNER_KEYS = 64  # keys whose last partners we remember
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class RoundRunner:
         self.draining = draining
         self.deadlines = DeadlinePolicy()  # the rate it learns outlives a request
         self.settle = SettlePolicy()
+        # key -> the other members of our last complete round under it (MatchRequest.partners)
+        self.partners: OrderedDict[str, dict[bytes, str]] = OrderedDict()
         self.matchmakers: dict[str, Matchmaker] = {}  # key -> matchmaking in progress
         self.shunned = Shunned()  # leaders that stalled us, over all keys
         # owners whose span failed our check: never grouped with again while we run
@@ -210,6 +214,7 @@ class RoundRunner:
                 self.liveness.unprove(m.peer_id)
             elif outcome == "ok":
                 self.liveness.vouch(m.peer_id)
+        self._partnered(key, group, outcome == "ok")
         rec = self.rounds.record(key, result.group_size, result.bytes_sent,
                                  result.bytes_received, start, assembled, outcome, group.codec,
                                  result.excluded_parts)
@@ -229,6 +234,7 @@ class RoundRunner:
             codec=request.codec, client_mode=self.config.client_mode or self.unreachable,
             settle_seconds=self.settle.seconds,
             rank_digests=request.rank_digests,
+            partners=self.partners.get(key, {}) if expected is None else {},
         )
         me = Self(self.me.peer_id, self.me.grpc, self.me.data,  # 0: the rate we measure
                   self.config.bandwidth or self.deadlines.link_mbit, self.me.auth, self.shunned,
@@ -280,6 +286,16 @@ class RoundRunner:
                     complete=result.parts_averaged == result.parts)
         return result
 
+
+    def _partnered(self, key: str, group: Group, complete: bool) -> None:
+        """Remember whom we averaged with under `key`, if every part was averaged: the next
+        round waits a moment for those of them that come late (assembly.PARTNER_WAIT)."""
+        self.partners.pop(key, None)
+        if complete:
+            self.partners[key] = {m.peer_id: m.endpoint for m in group.members
+                                  if m.peer_id != self.me.peer_id and not m.client_mode}
+            while len(self.partners) > PARTNER_KEYS:
+                self.partners.popitem(last=False)
 
     def _judged(self, group: Group, owners: set[int], result: RoundResult) -> None:
         """Owners whose span failed our check are named, counted and never grouped with

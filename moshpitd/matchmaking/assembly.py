@@ -10,7 +10,8 @@ A leader assembles, in this order of precedence:
 - at the latest `AttemptClock.assemble_by` the earliest deadline among it and its members;
 - with a known line (grid runs), once every expected peer is in or went to another group;
 - without one, once everyone declared under the key is in and the membership has not changed
-  for `settle_seconds`.
+  for `settle_seconds`, and no partner of our last group that still answers is missing
+  (those are waited for PARTNER_WAIT from the attempt's start at most).
 A peer alone on its line for two polls, past a grace period, keeps its value; past its deadline
 a peer below its minimum gives up.
 """
@@ -31,6 +32,11 @@ LONELY_POLLS = 2
 # give up on the round after this share of the grace period (never at once: a line-mate that
 # is still starting may not have declared yet).
 MOVED_ON_GRACE_SHARE = 1 / 2
+# How long into an attempt a leader below its target waits for a live partner of its last group
+# that has not declared yet. A peer whose trainer came a few polls late (a busy host) would
+# otherwise find every partner gone into a group without it and wait out its whole timeout.
+# One round at most: a partner that does not come is no partner the next round.
+PARTNER_WAIT = 0.5  # s
 
 
 class Action(enum.Enum):
@@ -62,6 +68,8 @@ class Poll:
     # peers that declared under the key earlier and have withdrawn since (they went elsewhere)
     gone: frozenset[bytes] = frozenset()
     line: LineStatus | None = None  # the run directory's view of our line, in grid runs
+    # partners of our last group (no grid) neither here nor declared, that answered a probe
+    awaited: frozenset[bytes] = frozenset()
 
 
 class AssemblyPolicy:
@@ -84,13 +92,16 @@ class AssemblyPolicy:
         if poll.line is not None and self._alone(clock, poll, poll.line):
             return Decision(Action.ALONE)
         assemble_at = clock.assemble_by(d for p, d in poll.declared.items() if p in poll.members)
-        if poll.accepting and self._ready(poll, assemble_at):
+        if poll.accepting and self._ready(poll, assemble_at, clock.start + PARTNER_WAIT):
             return Decision(Action.ASSEMBLE)
         if poll.now >= clock.deadline:
             return Decision(Action.GIVE_UP)
-        return Decision(Action.WAIT, assemble_at if poll.now < assemble_at else clock.deadline)
+        wake = assemble_at if poll.now < assemble_at else clock.deadline
+        if poll.awaited and poll.now < clock.start + PARTNER_WAIT:
+            wake = min(wake, clock.start + PARTNER_WAIT)
+        return Decision(Action.WAIT, wake)
 
-    def _ready(self, poll: Poll, assemble_at: float) -> bool:
+    def _ready(self, poll: Poll, assemble_at: float, partners_by: float) -> bool:
         size = 1 + len(poll.members)
         if size >= self.target_size:
             return True
@@ -111,7 +122,9 @@ class AssemblyPolicy:
             self._stable_members, self._stable_since = poll.members, poll.now
             return False
         outside = any(p not in poll.members for p in poll.declared)
-        return not outside and poll.now - self._stable_since >= self.settle_seconds
+        if outside or poll.now - self._stable_since < self.settle_seconds:
+            return False
+        return not poll.awaited or poll.now >= partners_by
 
     def _alone(self, clock: AttemptClock, poll: Poll, line: LineStatus) -> bool:
         """Nobody on our line is coming: keep our value instead of waiting for the deadline."""

@@ -20,7 +20,7 @@ import logging
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from moshpitd import timebase
@@ -155,6 +155,7 @@ class Vitals:
                  probe: Probe | None) -> None:
         self.key, self.dead, self.liveness, self.probe = key, dead, liveness, probe
         self._outside_since: dict[bytes, float] = {}
+        self._partner_asked: dict[bytes, float] = {}  # -> when it may be asked again
 
     @contextlib.contextmanager
     def waking(self, wake: Callable[[], None]) -> Iterator[None]:
@@ -190,6 +191,23 @@ class Vitals:
         peers we know from the DHT; we still ask only peers ranked before us, so no cycle."""
         known = self.liveness.known if self.liveness is not None else (lambda p: True)
         return sorted(candidates, key=lambda c: (not known(c.peer_id), c.rank))
+
+    async def partners_coming(self, partners: Mapping[bytes, str], candidates: list[Candidate],
+                              followers: Collection[bytes], now: float) -> frozenset[bytes]:
+        """Our last group's partners (peer id -> endpoint), if we have followers, that are
+        neither declared nor with us and still answer: each is asked when first missed and
+        every STRAGGLER_PROBE after; one that does not answer is dead for this request."""
+        if self.probe is None or not partners or not followers:
+            return frozenset()
+        here = {c.peer_id for c in candidates}
+        missing = [p for p in partners if p not in here and p not in followers
+                   and p not in self.dead]
+        ask = [p for p in missing if now >= self._partner_asked.get(p, -math.inf)]
+        for p in ask:
+            self._partner_asked[p] = now + STRAGGLER_PROBE
+        alive = await asyncio.gather(*(self.probe(partners[p], p) for p in ask))
+        self.dead.update(p for p, ok in zip(ask, alive, strict=True) if not ok)
+        return frozenset(p for p in missing if p not in self.dead)
 
     async def probe_stragglers(self, candidates: list[Candidate], followers: Collection[bytes],
                                now: float) -> None:

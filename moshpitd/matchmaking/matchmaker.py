@@ -154,8 +154,7 @@ class Matchmaker:
 
     def _start_withdraw(self) -> None:
         """In the background: a dead DHT node must not delay the round that follows."""
-        # the tombstone's version is taken now: it must rank below the next attempt's
-        # declaration, which may reach the DHT before this task does
+        # its version is taken now: below the next declaration, which may reach the DHT first
         in_background(asyncio.ensure_future(self._withdraw(self.dht.next_version())))
 
     async def _withdraw(self, version: int) -> None:
@@ -187,11 +186,14 @@ class Matchmaker:
             if self.leading.followers:
                 await self.vitals.probe_stragglers(candidates, self.leading.followers, now)
             candidates = [c for c in candidates if c.peer_id not in self._dead]
+            awaited = await self.vitals.partners_coming(  # as a leader, without a grid
+                {} if self.expected else self.req.partners, candidates, self.leading.followers, now)
             if line is not None:
                 # a line-mate found dead (its declaration outlives it) is not waited for
                 self.expected = line.expected - self._dead
                 self.settled = line.settled
-            decision = self.policy.decide(self._clock, self._poll(now, candidates, line))
+            decision = self.policy.decide(self._clock, self._poll(now, candidates, line,
+                                                                  awaited))
             if decision.action is Action.ALONE:
                 raise NoPartners(f"no other peer on this grid line under {self.req.key!r}")
             if self.assembled.done():
@@ -241,12 +243,14 @@ class Matchmaker:
             self.assembled.set_result(group)
         return group
 
-    def _poll(self, now: float, candidates: list[Candidate], line: LineStatus | None) -> Poll:
+    def _poll(self, now: float, candidates: list[Candidate], line: LineStatus | None,
+              awaited: frozenset[bytes] = frozenset()) -> Poll:
         """What the policy needs of this poll (read before any await: nothing moves under it)."""
         return Poll(now, self.leading.members, {c.peer_id: c.deadline for c in candidates},
                     accepting=self.leading.accepting, following=self.leading.following is not None,
                     expected=self.expected, settled=self.settled,
-                    gone=frozenset(self._seen_match - self._declared_now), line=line)
+                    gone=frozenset(self._seen_match - self._declared_now), line=line,
+                    awaited=awaited - self._seen_match)
 
     async def _read_by(self, deadline: float) -> tuple[list[Candidate], LineStatus | None]:
         """`_read`, given up at our deadline: a lookup that waits on silent DHT nodes must not

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from moshpitd.allreduce.rates import PeerRates
@@ -34,6 +34,11 @@ class MatchRequest:
     settle_seconds: float = field(kw_only=True)
     # a shard host's rank digests (declaration.rank_digests): its mismatches name a rank
     rank_digests: bytes = b""
+    # Without a grid: our last group's other members under this key (peer id -> endpoint).
+    # A leader below its target waits a moment (assembly.PARTNER_WAIT) for those not here
+    # yet that answer a probe: one that is a few polls late would otherwise miss the round
+    # and wait out its whole timeout alone.
+    partners: Mapping[bytes, str] = field(default_factory=dict)
 
 
 # Alone this long on our line: nobody is coming to this round. A protocol constant: it covers a

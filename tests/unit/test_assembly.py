@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from moshpitd.clock import ASSEMBLY_LEAD, AttemptClock
 from moshpitd.matchmaking.assembly import (
     LONELY_POLLS,
+    PARTNER_WAIT,
     Action,
     AssemblyPolicy,
     Decision,
@@ -202,6 +203,21 @@ def test_an_outsider_declared_under_the_key_is_waited_for() -> None:
     assert [d.action for d in got] == [Action.WAIT, Action.WAIT]
     # it is found dead and dropped from the poll: the clock ran all along
     assert decide(p, poll(101.1, {A}, {A: DEADLINE}))[0].action is Action.ASSEMBLE
+
+
+def test_a_live_partner_of_the_last_group_is_waited_for_a_moment() -> None:
+    """Settled, but a partner of our last group that answers has not declared yet: it is
+    waited for until PARTNER_WAIT into the attempt (it started at t = 100), and we wake then."""
+    p = policy(target=8, settle=0.05)
+    late = frozenset({C})
+    got = decide(p, poll(100.1, {A}, awaited=late), poll(100.2, {A}, awaited=late))
+    assert [d.action for d in got] == [Action.WAIT, Action.WAIT]
+    assert got[1].wake_at == 100.0 + PARTNER_WAIT
+    assert decide(p, poll(100.0 + PARTNER_WAIT, {A}, awaited=late))[0].action is Action.ASSEMBLE
+    # once it is found dead (or it declared and went elsewhere) nobody is awaited
+    q = policy(target=8, settle=0.05)
+    assert [d.action for d in decide(q, poll(100.1, {A}, awaited=late), poll(100.2, {A}))] == [
+        Action.WAIT, Action.ASSEMBLE]
 
 
 def test_the_settle_clock_survives_attempts() -> None:
