@@ -40,6 +40,9 @@ PER_KEY = 8  # of which one key's requests may hold at most this many
 # A proven peer this long outside our group gets asked again whether it lives: a live one has
 # joined someone within a few polls of declaring; a killed one's declaration outlives it.
 STRAGGLER_PROBE = 0.3  # s
+# A partner of our last group that has not declared is asked this often whether it lives: a
+# leader waits for it meanwhile (assembly.PARTNER_WAIT), so a killed one must cost little.
+PARTNER_PROBE = 0.1  # s
 
 
 class Liveness:
@@ -196,7 +199,7 @@ class Vitals:
                               followers: Collection[bytes], now: float) -> frozenset[bytes]:
         """Our last group's partners (peer id -> endpoint), if we have followers, that are
         neither declared nor with us and still answer: each is asked when first missed and
-        every STRAGGLER_PROBE after; one that does not answer is dead for this request."""
+        every PARTNER_PROBE after; one that does not answer is dead for this request."""
         if self.probe is None or not partners or not followers:
             return frozenset()
         here = {c.peer_id for c in candidates}
@@ -204,7 +207,7 @@ class Vitals:
                    and p not in self.dead]
         ask = [p for p in missing if now >= self._partner_asked.get(p, -math.inf)]
         for p in ask:
-            self._partner_asked[p] = now + STRAGGLER_PROBE
+            self._partner_asked[p] = now + PARTNER_PROBE
         alive = await asyncio.gather(*(self.probe(partners[p], p) for p in ask))
         self.dead.update(p for p, ok in zip(ask, alive, strict=True) if not ok)
         return frozenset(p for p in missing if p not in self.dead)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from moshpitd.matchmaking.declaration import Candidate, Declaration
-from moshpitd.matchmaking.liveness import PER_KEY, Liveness, Vitals
+from moshpitd.matchmaking.liveness import PARTNER_PROBE, PER_KEY, Liveness, Vitals
 from tests.unit.dht_fakes import FakeClock
 
 
@@ -134,3 +134,27 @@ def test_dht_contacts_are_asked_to_lead_first() -> None:
     vitals = Vitals("k", set(), live, live.ask)
     cands = [candidate(1, 5), candidate(3, 30), candidate(2, 40), candidate(4, 1)]
     assert [c.peer_id for c in vitals.asking_order(cands)] == [pid(3), pid(2), pid(4), pid(1)]
+
+
+def test_partners_of_the_last_group_are_awaited_while_they_answer() -> None:
+    """A leader's partners from its last group that have not declared: the live ones are
+    awaited, a dead one is dead for the request; each is asked again only after PARTNER_PROBE,
+    and nobody is asked while we have no follower, or for partners declared or with us."""
+    async def main() -> None:
+        probe = GatedProbe({pid(2)})
+        probe.gate.set()
+        dead: set[bytes] = set()
+        vitals = Vitals("k", dead, None, probe)
+        partners = {pid(i): f"127.0.0.1:{1000 + i}" for i in (1, 2, 3, 4)}
+        declared = [candidate(4, 10)]
+        assert await vitals.partners_coming(partners, declared, followers=(), now=0.0) == set()
+        assert probe.asked == []
+        got = await vitals.partners_coming(partners, declared, followers={pid(1)}, now=0.0)
+        assert got == {pid(2)} and dead == {pid(3)}
+        assert sorted(probe.asked) == [pid(2), pid(3)]
+        await vitals.partners_coming(partners, declared, {pid(1)}, now=PARTNER_PROBE / 2)
+        assert len(probe.asked) == 2  # asked lately
+        probe.alive.clear()  # killed since
+        got = await vitals.partners_coming(partners, declared, {pid(1)}, now=PARTNER_PROBE)
+        assert got == set() and dead == {pid(2), pid(3)}
+    asyncio.run(main())
