@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.attack_cost import measure
 from bench.attacks.run import ATTACKS
 from bench.soak import run
-from bench.soak_attack import Setup, compare
+from bench.soak_attack import Setup, by_attack, compare, print_report
 from netlab.cgroup import cgroup_problem
 
 
@@ -44,6 +45,24 @@ def test_soak_under_attack_short(tmp_path: Path) -> None:
             for name, a in c.attack.attacker["attacks"].items()}
     assert len(sent) == len(ATTACKS), sent
     assert all(sent.values()), sent  # each did something in its turn
+    slots = c.attack.attacker["slots"]
+    assert {name for name, _, _ in slots} == set(sent), slots
+    # the round is attributed to the attack whose turn it began in, if any was running then
+    assert sum(n for n, *_ in by_attack(c.attack.summary.timeline, slots).values()) <= 1
+    print_report(c)
     refused = c.attack.daemons["refusals"]
     assert refused.get('auth_rejected_total{plane="dht"}', 0) > 0, refused  # junk datagrams
     assert sum(refused.values()) > sum(c.burner.daemons["refusals"].values()), refused
+
+
+@pytest.mark.skipif(cgroup_problem() is not None,
+                    reason=f"the attacker runs in a CPU cgroup: {cgroup_problem()}")
+def test_attack_cost_smoke(tmp_path: Path) -> None:
+    """`python -m bench.attack_cost`, one attack briefly: honest rounds ran beside it and
+    after it, and the attacker's CPU was measured."""
+    rows = measure(["udp-junk"], peers=3, seconds=1.5, cores=0.5, workdir=tmp_path)
+    print(rows)
+    assert [r[0] for r in rows[1:]] == ["none", "udp-junk"]
+    none, junk = rows[1], rows[2]
+    assert int(none[1]) > 0 and int(junk[1]) > 0 and int(junk[5]) > 0  # rounds ran throughout
+    assert float(junk[9]) > 0.1  # the attacker worked
