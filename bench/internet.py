@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers < 2 or args.rounds < 1:
         p.error("need --peers >= 2 and --rounds >= 1")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    logging.getLogger("rpcudp").setLevel(logging.CRITICAL)  # as the daemon has it (logs.py)
     out = vloop.run(lambda: simulate(args))
     if args.plot:
         plot(out, args.plot)
