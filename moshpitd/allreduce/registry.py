@@ -6,8 +6,10 @@ reaches members in any order), so a stream that names an unknown group waits a l
 Admission: a stream for a group we hold (a round registered here) is admitted at once, whatever
 else is waiting. Streams for groups we do not know share one small table (MAX_STRANGERS); when
 it is full, a new one is refused with BUSY and its sender opens it again a moment later, by
-which time a legitimate group is ours. So strangers that fill the table (a flood of HELLOs with
-made-up group ids) delay nobody's round and refuse none. Connections that have not said HELLO
+which time a legitimate group is ours. One address holds at most half the table (its HELLOs'
+signatures cannot be checked before the group is known, so there is no identity to count by
+yet): a flood of HELLOs with made-up group ids from one host leaves the other half to every
+other host, and its streams wait for no legitimate one. Connections that have not said HELLO
 yet are bounded too, the oldest dropped first: a legitimate one says HELLO at once.
 
 Sessions (transport/session.py): a stream that ended cleanly leaves its connection open. The
@@ -147,6 +149,7 @@ class _Waiting:
     since: float
     sink: _Hello | Resume | None = None
     timer: asyncio.TimerHandle | None = None
+    address: str = ""  # the remote host it came from
 
 
 class _Refused(Channel):
@@ -170,6 +173,7 @@ class RoundRegistry:
         self._rounds: dict[bytes, ButterflyRound] = {}  # groups we hold: admitted first
         self._waiting: dict[bytes, list[_Waiting]] = {}  # streams of groups we do not hold
         self.strangers = 0  # streams waiting for a group we do not hold
+        self._strangers_at: Counter[str] = Counter()  # of which, by remote host
         # rounds that ended here: a late stream for one is refused at once, so its sender
         # stops waiting for us instead of waiting stream_wait (insertion-ordered, bounded)
         self._finished: dict[bytes, None] = {}
@@ -273,12 +277,14 @@ class RoundRegistry:
         elif gid in self._finished:
             self._refuse(channel, REFUSED_GROUP, sender, now,
                          f"group {gid.hex()[:8]}'s round is over here")
-        elif self.strangers >= self.max_strangers:
+        elif (self.strangers >= self.max_strangers
+              or self._strangers_at[_host(channel)] >= self.max_strangers // 2):
             self._refuse(channel, REFUSED_BUSY, sender, now,
                          f"busy: {self.strangers} streams already wait for groups unknown "
                          "here; open the stream again")
         else:
-            entry = _Waiting(channel, hello, sender, receiver, now, sink)
+            entry = _Waiting(channel, hello, sender, receiver, now, sink, address=_host(channel))
+            self._strangers_at[entry.address] += 1
             entry.timer = asyncio.get_running_loop().call_later(self.stream_wait,
                                                                  self._expire, entry)
             self._waiting.setdefault(gid, []).append(entry)
@@ -303,6 +309,9 @@ class RoundRegistry:
 
     def _unwait(self, entry: _Waiting) -> None:
         self.strangers -= 1
+        self._strangers_at[entry.address] -= 1
+        if self._strangers_at[entry.address] <= 0:
+            del self._strangers_at[entry.address]
         if entry.timer is not None:
             entry.timer.cancel()
         if entry.sink is not None:
@@ -366,3 +375,6 @@ class RoundRegistry:
         channel.abort(why, code=BUSY if reason == REFUSED_BUSY else 0)
 
 
+def _host(channel: Channel) -> str:
+    peer = channel.transport.get_extra_info("peername") if channel.transport else None
+    return str(peer[0]) if isinstance(peer, tuple) else ""

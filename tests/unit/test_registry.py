@@ -20,11 +20,25 @@ from moshpitd.transport.handshake import Handshake
 KEYS = [PeerKey.generate() for _ in range(3)]
 
 
+class FakeTransport:
+    def __init__(self, host: str) -> None:
+        self.host = host
+
+    def get_extra_info(self, name: str) -> Any:
+        return (self.host, 4242) if name == "peername" else None
+
+    def is_closing(self) -> bool:
+        return False
+
+    def resume_reading(self) -> None:
+        pass
+
+
 class FakeChannel:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "10.0.0.1") -> None:
         self.aborted: str | None = None
         self.code = 0
-        self.transport = None
+        self.transport = FakeTransport(host)
         self.sink: Any = None
         self.cipher: Any = None
         self.sent: list[tuple[int, int]] = []
@@ -57,11 +71,12 @@ class FakeRound:
 
 
 def stream(registry: RoundRegistry, g: Group, sender: int = 0, key: PeerKey | None = None,
-           wire: bytes | None = None) -> FakeChannel:
-    """A stream from member `sender` (its HELLO signed by `key`, its own by default)."""
+           wire: bytes | None = None, host: str | None = None) -> FakeChannel:
+    """A stream from member `sender` (its HELLO signed by `key`, its own by default), from
+    `host` (by default one of its own per sender)."""
     if wire is None:
         wire, _ = Handshake(key or KEYS[sender]).hello(*g.route_to(1), sender, 1)
-    channel = FakeChannel()
+    channel = FakeChannel(host or f"10.0.0.{sender + 1}")
     hello = registry.handshake.open_hello(wire, sender, 1)
     registry.route(channel, hello, sender, 1)  # type: ignore[arg-type]
     return channel
@@ -103,9 +118,9 @@ def test_strangers_share_a_bounded_table_and_never_hold_back_a_group_we_hold() -
         registry = RoundRegistry(1 << 20, Handshake(KEYS[1]), stream_wait=0.05,
                                  max_strangers=2)
         early, ours = group(b"e" * 16), group(b"o" * 16)
-        waiting = [stream(registry, early), stream(registry, group(b"x" * 16))]
+        waiting = [stream(registry, early), stream(registry, group(b"x" * 16), host="10.9.9.9")]
         assert registry.strangers == 2 and all(w.aborted is None for w in waiting)
-        busy = stream(registry, group(b"y" * 16))
+        busy = stream(registry, group(b"y" * 16), host="10.8.8.8")
         assert busy.code == BUSY and busy.aborted is not None and "again" in busy.aborted
         held = FakeRound(ours)
         registry.register(held)  # type: ignore[arg-type]
@@ -120,6 +135,28 @@ def test_strangers_share_a_bounded_table_and_never_hold_back_a_group_we_hold() -
                 await asyncio.sleep(0.005)
         assert waiting[1].aborted is not None and "no group" in waiting[1].aborted
         assert registry.refused == {"busy": 1, "group": 1} and registry.strangers == 0
+
+    asyncio.run(scenario())
+
+
+def test_one_host_holds_at_most_half_of_the_strangers_table() -> None:
+    """A flood of HELLOs for made-up groups from one host fills its half only: another host's
+    stream still waits for its group, and the flooder's streams leave room as they go."""
+    async def scenario() -> None:
+        registry = RoundRegistry(1 << 20, Handshake(KEYS[1]), stream_wait=10.0,
+                                 max_strangers=8)
+        flood = [stream(registry, group(bytes([i]) * 16), host="10.6.6.6") for i in range(6)]
+        assert [f.code for f in flood] == [0] * 4 + [BUSY] * 2
+        honest = stream(registry, group(b"h" * 16), host="10.0.0.1")
+        assert honest.aborted is None and registry.strangers == 5
+        held = FakeRound(group(b"h" * 16))
+        registry.register(held)  # type: ignore[arg-type]
+        assert held.accepted == [0] and registry.strangers == 4
+        late = FakeRound(group(bytes([0]) * 16))
+        registry.register(late)  # type: ignore[arg-type]  # one of the flood's groups, after all
+        assert registry.strangers == 3
+        again = stream(registry, group(b"z" * 16), host="10.6.6.6")
+        assert again.aborted is None and registry.strangers == 4  # its half has room again
 
     asyncio.run(scenario())
 
