@@ -286,7 +286,6 @@ class RoundRunner:
                     complete=result.parts_averaged == result.parts)
         return result
 
-
     def _partnered(self, key: str, group: Group, complete: bool) -> None:
         """Remember whom we averaged with under `key`, if every part was averaged: the next
         round waits a moment for those of them that come late (assembly.PARTNER_WAIT)."""

@@ -278,12 +278,12 @@ class RoundRegistry:
             self._refuse(channel, REFUSED_GROUP, sender, now,
                          f"group {gid.hex()[:8]}'s round is over here")
         elif (self.strangers >= self.max_strangers
-              or self._strangers_at[_host(channel)] >= self.max_strangers // 2):
+              or self._strangers_at[host := _host(channel)] >= self.max_strangers // 2):
             self._refuse(channel, REFUSED_BUSY, sender, now,
                          f"busy: {self.strangers} streams already wait for groups unknown "
                          "here; open the stream again")
         else:
-            entry = _Waiting(channel, hello, sender, receiver, now, sink, address=_host(channel))
+            entry = _Waiting(channel, hello, sender, receiver, now, sink, address=host)
             self._strangers_at[entry.address] += 1
             entry.timer = asyncio.get_running_loop().call_later(self.stream_wait,
                                                                  self._expire, entry)

@@ -41,7 +41,8 @@ class Resender:
         ("sent", "any", "resent")."""
         self.send, self.waiting, self.timeout, self.counts = send, waiting, timeout, counts
         self.srtt: OrderedDict[Any, float] = OrderedDict()  # address -> smoothed round trip
-        self._sent: dict[bytes, float] = {}  # msg id -> when first sent, until answered
+        # msg id -> when it was sent, while it was sent once and is unanswered (Karn's rule)
+        self._sent: dict[bytes, float] = {}
 
     def rto(self, address: Any) -> float:
         srtt = self.srtt.get(address)
@@ -56,22 +57,19 @@ class Resender:
 
     def _late(self, data: bytes, address: Any, waited: float, left: int) -> None:
         msg_id = data[1:21]
+        self._sent.pop(msg_id, None)  # sent again, answered, or timed out: no sample
         if msg_id not in self.waiting:
-            self._sent.pop(msg_id, None)  # answered (or timed out) meanwhile
             return
         self.counts["sent", "any", "resent"] += 1
         self.send(data, address)
         if left > 1:
-            self._sent[msg_id] = -1.0  # sent twice: its answer is no sample (Karn)
             asyncio.get_running_loop().call_later(2 * waited, self._late, data, address,
                                                   2 * waited, left - 1)
-        else:
-            self._sent.pop(msg_id, None)  # the last copy: no sample either way
 
     def answered(self, msg_id: bytes, address: Any) -> None:
         """The answer to one of our requests came from `address`."""
         began = self._sent.pop(msg_id, None)
-        if began is None or began < 0:
+        if began is None:
             return
         sample = timebase.monotonic() - began
         old = self.srtt.pop(address, None)

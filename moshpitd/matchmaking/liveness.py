@@ -195,15 +195,15 @@ class Vitals:
         known = self.liveness.known if self.liveness is not None else (lambda p: True)
         return sorted(candidates, key=lambda c: (not known(c.peer_id), c.rank))
 
-    async def partners_coming(self, partners: Mapping[bytes, str], candidates: list[Candidate],
+    async def partners_coming(self, partners: Mapping[bytes, str], seen: Collection[bytes],
                               followers: Collection[bytes], now: float) -> frozenset[bytes]:
-        """Our last group's partners (peer id -> endpoint), if we have followers, that are
-        neither declared nor with us and still answer: each is asked when first missed and
-        every PARTNER_PROBE after; one that does not answer is dead for this request."""
+        """Our last group's partners (peer id -> endpoint; none in grid runs), if we have
+        followers, that were never `seen` declared in this request, are not with us, and still
+        answer: each is asked when first missed and every PARTNER_PROBE after; one that does
+        not answer is dead for this request."""
         if self.probe is None or not partners or not followers:
             return frozenset()
-        here = {c.peer_id for c in candidates}
-        missing = [p for p in partners if p not in here and p not in followers
+        missing = [p for p in partners if p not in seen and p not in followers
                    and p not in self.dead]
         ask = [p for p in missing if now >= self._partner_asked.get(p, -math.inf)]
         for p in ask:

@@ -186,8 +186,8 @@ class Matchmaker:
             if self.leading.followers:
                 await self.vitals.probe_stragglers(candidates, self.leading.followers, now)
             candidates = [c for c in candidates if c.peer_id not in self._dead]
-            awaited = await self.vitals.partners_coming(  # as a leader, without a grid
-                {} if self.expected else self.req.partners, candidates, self.leading.followers, now)
+            awaited = await self.vitals.partners_coming(self.req.partners, self._seen_match,
+                                                        self.leading.followers, now)
             if line is not None:
                 # a line-mate found dead (its declaration outlives it) is not waited for
                 self.expected = line.expected - self._dead
@@ -250,7 +250,7 @@ class Matchmaker:
                     accepting=self.leading.accepting, following=self.leading.following is not None,
                     expected=self.expected, settled=self.settled,
                     gone=frozenset(self._seen_match - self._declared_now), line=line,
-                    awaited=awaited - self._seen_match)
+                    awaited=awaited)
 
     async def _read_by(self, deadline: float) -> tuple[list[Candidate], LineStatus | None]:
         """`_read`, given up at our deadline: a lookup that waits on silent DHT nodes must not

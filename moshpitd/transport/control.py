@@ -121,23 +121,6 @@ class Pool(ControlClient, Protocol):
 ControlPlane = Callable[[JoinHandler, StateHandler], tuple[ControlServer, Pool]]
 
 
-__all__ = [
-    "CANCELLED",
-    "DEADLINE",
-    "EXHAUSTED",
-    "FAILED",
-    "FAILED_PRECONDITION",
-    "NOT_FOUND",
-    "REFUSED",
-    "UNAVAILABLE",
-    "AnswerStream",
-    "Answers",
-    "Caller",
-    "ControlClient",
-    "ControlError",
-    "ControlPlane",
-    "ControlServer",
-    "JoinHandler",
-    "Pool",
-    "StateHandler",
-]
+__all__ = ["CANCELLED", "DEADLINE", "EXHAUSTED", "FAILED", "FAILED_PRECONDITION", "NOT_FOUND",
+           "REFUSED", "UNAVAILABLE", "AnswerStream", "Answers", "Caller", "ControlClient",
+           "ControlError", "ControlPlane", "ControlServer", "JoinHandler", "Pool", "StateHandler"]

@@ -269,4 +269,3 @@ class Listener:
 
     async def start_serving(self) -> None:
         return None
-

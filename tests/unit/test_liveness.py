@@ -139,14 +139,14 @@ def test_dht_contacts_are_asked_to_lead_first() -> None:
 def test_partners_of_the_last_group_are_awaited_while_they_answer() -> None:
     """A leader's partners from its last group that have not declared: the live ones are
     awaited, a dead one is dead for the request; each is asked again only after PARTNER_PROBE,
-    and nobody is asked while we have no follower, or for partners declared or with us."""
+    and nobody is asked while we have no follower, or for partners seen declared or with us."""
     async def main() -> None:
         probe = GatedProbe({pid(2)})
         probe.gate.set()
         dead: set[bytes] = set()
         vitals = Vitals("k", dead, None, probe)
         partners = {pid(i): f"127.0.0.1:{1000 + i}" for i in (1, 2, 3, 4)}
-        declared = [candidate(4, 10)]
+        declared = {pid(4)}  # seen declared in this request
         assert await vitals.partners_coming(partners, declared, followers=(), now=0.0) == set()
         assert probe.asked == []
         got = await vitals.partners_coming(partners, declared, followers={pid(1)}, now=0.0)
