@@ -86,7 +86,9 @@ def test_a_held_first_attempt_loses_to_the_second_and_never_reaches_the_sink(
         started = time.monotonic()
         ch = await connect("127.0.0.1", port, sink, 1 << 20, hedge_after=0.2)
         took = time.monotonic() - started
-        assert len(calls) == 2 and calls[1] - calls[0] >= 0.2, calls
+        # the hedge's clock starts when connect does, a loop pass before the first attempt
+        # runs (on a loaded machine that pass can take longer than the margin)
+        assert len(calls) == 2 and calls[1] - started >= 0.2, (started, calls)
         assert 0.2 <= took < 1.0, took  # the hedge, not the kernel's 1 s
         assert ch.sink is sink and ch.transport is not None and not ch.transport.is_closing()
         await asyncio.wait_for(cancelled.wait(), 5)  # the held attempt is given up
