@@ -21,7 +21,8 @@ LAG = "moshpitd_event_loop_lag_seconds"
 # what each daemon counts of what it refused (prefixes of sample names)
 REFUSALS = ("moshpitd_auth_rejected_total", "moshpitd_joins_refused_total",
             "moshpitd_data_streams_refused_total", "moshpitd_dht_records_refused_total",
-            "moshpitd_grpc_refused_total")
+            "moshpitd_grpc_refused_total",
+            'moshpitd_dht_rpcs_total{direction="received",rpc="any",result="dropped_by_kernel"}')
 STALL = re.compile(r"event loop was blocked for ([0-9.]+) s")  # moshpitd/node.py, past 0.25 s
 SAMPLE = re.compile(r"^([^#\s]\S*) (\S+)$", re.MULTILINE)
 BUCKET = re.compile(LAG + r'_bucket\{le="([^"]+)"\}')

@@ -47,6 +47,15 @@ class AuthError(Exception):
     """A message without a valid tag, outside the time window, or replayed."""
 
 
+class ReplayFull(AuthError):
+    """A message refused because the replay cache, its sender's share or its sender's group's
+    share is full of live nonces: `scope` says which ("total", "sender", "group")."""
+
+    def __init__(self, message: str, scope: str) -> None:
+        super().__init__(message)
+        self.scope = scope
+
+
 def timestamp_error(sent: float, now: float, window: float = WINDOW) -> str | None:
     """Why a message dated `sent` is refused at `now`, or None: at most `window` seconds late,
     at most FUTURE_SKEW early."""
@@ -117,15 +126,17 @@ class ReplayCache:
             raise AuthError("replayed message")
         if len(self._seen) >= self.max_entries:
             self.refused_full += 1
-            raise AuthError("too many messages within the replay window")
+            raise ReplayFull("too many messages within the replay window", "total")
         if sender is not None and self._by_sender.get(sender, 0) >= self.per_sender:
             self.refused_full += 1
-            raise AuthError("too many messages from this sender within the replay window")
+            raise ReplayFull("too many messages from this sender within the replay window",
+                             "sender")
         group = None if self.group_of is None or sender is None else self.group_of(sender)
         if group is not None:
             if self._by_group.get(group, 0) >= self.per_group:
                 self.refused_full += 1
-                raise AuthError("too many messages from this address within the replay window")
+                raise ReplayFull("too many messages from this address within the replay "
+                                 "window", "group")
             self._by_group[group] = self._by_group.get(group, 0) + 1
         # forgotten in the first whole second after its date leaves the window (never early),
         # and never before the next sweep: a message dated far back still waits one second

@@ -334,7 +334,11 @@ class _DHTCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily("moshpitd_dht_rpcs", "DHT RPCs: received by name, sent "
                                      "(any name) by whether the peer answered, and requests "
-                                     "sent again (result resent) when an answer was late",
+                                     "sent again (result resent) when an answer was late; "
+                                     "received any dropped_by_kernel: datagrams the kernel "
+                                     "dropped at the socket, refused by its filter (not "
+                                     "sealed, or from a sender blocked for filling its share "
+                                     "of the replay cache) or past its receive buffer",
                                      labels=["direction", "rpc", "result"])
         for (direction, rpc, result), count in sorted(self.rpcs().items()):
             family.add_metric([direction, rpc, result], count)

@@ -117,7 +117,7 @@ class MoshpitNode:
         self.states: StateStore | None = None
         self.metrics.watch_dht(
             self.dht.peer_count,
-            lambda: self.dht.protocol.rpcs if getattr(self.dht, "protocol", None) else {},
+            self.dht.rpc_counts,
             lambda: self.dht.protocol.own_id_elsewhere
             if getattr(self.dht, "protocol", None) else 0)
         self.draining = False

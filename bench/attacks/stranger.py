@@ -6,7 +6,9 @@ what it can still make a daemon do is read, parse and refuse, and hold connectio
 - zero-window: raw HTTP/2 connections that open every stream a connection may, each with a
   gRPC message cut off halfway, a receive window of 0 and a socket that is never read: the
   daemon can neither finish reading nor answer (slowloris, and a writer that never drains)
-- udp-junk: random datagrams of random length to the DHT port (dropped for their bad tag)
+- udp-junk: random datagrams of random length to the DHT port, half of them dated as a sealed
+  one is (the random ones fail the kernel's filter, dht/sieve.py; the dated ones reach the
+  daemon and fail their tag)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -166,7 +169,9 @@ class ZeroWindow(HeldConnections):
 
 
 class UdpJunk(Attack):
-    """Random datagrams of 1 to 1400 bytes, round-robin over the daemons' DHT ports."""
+    """Datagrams of 1 to 1400 bytes, round-robin over the daemons' DHT ports: random, and
+    every other one starting with the current date, as a stranger who read the seal's format
+    would send them."""
 
     name = "udp-junk"
     needs_key = False
@@ -175,15 +180,20 @@ class UdpJunk(Attack):
         super().__init__(env)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((env.source, 0))
-        self.junk = [os.urandom(env.rng.randint(1, 1400)) for _ in range(64)]
+        # even ones of any length, odd ones long enough to pass for a sealed datagram
+        self.junk = [os.urandom(env.rng.randint(1 if i % 2 == 0 else 64, 1400))
+                     for i in range(64)]
 
     def step(self, swarm: Swarm) -> None:
         addrs = [hostport(t.dht) for t in swarm.targets]
+        date = struct.pack(">Q", int(time.time() * 1000))
+        junk_now = [date + j[8:] if len(j) >= 64 and i % 2 else j
+                    for i, j in enumerate(self.junk)]
         until, i = _until(), 0
         while addrs and time.monotonic() < until:
             for _ in range(64):
                 i += 1
-                junk = self.junk[i % len(self.junk)]
+                junk = junk_now[i % len(junk_now)]
                 try:
                     self.sock.sendto(junk, addrs[i % len(addrs)])
                 except OSError:

@@ -7,7 +7,7 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -16,10 +16,11 @@ from kademlia.node import Node
 from kademlia.utils import digest
 
 from moshpitd import timebase
-from moshpitd.auth import SwarmKey
+from moshpitd.auth import OVERHEAD, SwarmKey
 from moshpitd.dht.crawl import BriskNodeCrawl, keep_running, settle
 from moshpitd.dht.protocol import SubkeyProtocol
 from moshpitd.dht.records import Proof, RecordVerifier, remaining, sign
+from moshpitd.dht.sieve import Sieve
 from moshpitd.dht.storage import SubkeyStorage
 from moshpitd.identity import PeerKey
 
@@ -105,12 +106,29 @@ class DHTNode(Server):
     def peer_id(self) -> bytes:
         return bytes(self.node.id)
 
+    def stop(self) -> None:
+        if self.protocol is not None and self.protocol.sieve is not None:
+            self.protocol.sieve.close()
+        super().stop()
+
+    def rpc_counts(self) -> Mapping[tuple[str, str, str], int]:
+        """The protocol's RPC counts, and what the kernel dropped at its socket (dht/sieve.py),
+        read at scrape time."""
+        if getattr(self, "protocol", None) is None:
+            return {}
+        counts = dict(self.protocol.rpcs)
+        if self.protocol.sieve is not None:
+            counts["received", "any", "dropped_by_kernel"] = self.protocol.sieve.dropped()
+        return counts
+
     async def start(self, host: str, port: int) -> tuple[str, int]:
         await self.listen(port, interface=host)
         sock = self.transport.get_extra_info("socket")
         if sock is not None:  # (a virtual network's has none)
             with contextlib.suppress(OSError):  # the kernel caps it at net.core.rmem_max
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+            if self.auth is not None:  # only sealed datagrams are wanted: see dht/sieve.py
+                self.protocol.sieve = Sieve(sock, OVERHEAD)
         bound = self.transport.get_extra_info("sockname")
         return str(bound[0]), int(bound[1])
 

@@ -17,12 +17,13 @@ from kademlia.protocol import KademliaProtocol
 from kademlia.utils import digest
 
 from moshpitd import timebase
-from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, SwarmKey
+from moshpitd.auth import OVERHEAD, AuthError, ReplayCache, ReplayFull, SwarmKey
 from moshpitd.buckets import Bucket, lru_bucket
 from moshpitd.dht.answered import Answered
 from moshpitd.dht.clients import CLIENT_REQUEST, REPLY, REQUEST, NatRPCs, Outgoing, from_client
 from moshpitd.dht.records import Proof, RecordVerifier, remaining
 from moshpitd.dht.resend import Resender
+from moshpitd.dht.sieve import Sieve
 from moshpitd.dht.storage import StoredSub, SubkeyStorage
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def _is_id(value: object) -> bool:
 class SubkeyProtocol(NatRPCs, KademliaProtocol):
     storage: SubkeyStorage
     resender: Resender  # set once the socket is open (connection_made)
+    sieve: Sieve | None = None  # the socket's kernel filter (dht/sieve.py), with a swarm key
 
     def __init__(
         self, source_node: Node, storage: SubkeyStorage, ksize: int, wait_timeout: float,
@@ -112,6 +114,8 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
                 data = self.auth.open(b"dht", b"dht", data, self.replay, addr)
             except AuthError as exc:
                 self.rpcs["received", "any", "unauthenticated"] += 1
+                if isinstance(exc, ReplayFull) and self.sieve is not None:
+                    self.sieve.refused(exc.scope, addr)
                 log.debug("dropped a datagram from %s: %s", addr, exc)
                 return
         task = asyncio.ensure_future(self._safe_solve(data, addr))

@@ -47,11 +47,17 @@ def hostport(text: str) -> tuple[str, int]:
 
 
 def rejected_dht(metrics: str) -> float:
-    """DHT datagrams the daemon serving these metrics refused for their swarm-key tag."""
+    """DHT datagrams the daemon serving these metrics refused for their swarm-key tag, and
+    those its kernel filter dropped as not sealed at all (dht/sieve.py)."""
     with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as resp:
         body = resp.read().decode()
-    found = re.search(r'^moshpitd_auth_rejected_total\{plane="dht"\} (\S+)$', body, re.M)
-    return float(found.group(1)) if found else 0.0
+    total = 0.0
+    for pattern in (r'^moshpitd_auth_rejected_total\{plane="dht"\} (\S+)$',
+                    r'^moshpitd_dht_rpcs_total\{direction="received",rpc="any",'
+                    r'result="dropped_by_kernel"\} (\S+)$'):
+        found = re.search(pattern, body, re.M)
+        total += float(found.group(1)) if found else 0.0
+    return total
 
 
 def udp_ask(addr: tuple[str, int], datagram: bytes, wait: float = 1.0) -> bytes | None:
