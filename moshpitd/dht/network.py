@@ -107,8 +107,10 @@ class DHTNode(Server):
         return bytes(self.node.id)
 
     def stop(self) -> None:
-        if self.protocol is not None and self.protocol.sieve is not None:
-            self.protocol.sieve.close()
+        if getattr(self, "protocol", None) is not None:
+            self.protocol.stop_probes()
+            if self.protocol.sieve is not None:
+                self.protocol.sieve.close()
         super().stop()
 
     def rpc_counts(self) -> Mapping[tuple[str, str, str], int]:

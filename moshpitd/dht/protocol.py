@@ -25,19 +25,13 @@ from moshpitd.dht.records import Proof, RecordVerifier, remaining
 from moshpitd.dht.resend import Resender
 from moshpitd.dht.sieve import Sieve
 from moshpitd.dht.storage import StoredSub, SubkeyStorage
+from moshpitd.dht.welcome import Welcome, consume
 
 log = logging.getLogger(__name__)
 
 MAX_DATAGRAM = 65507
 DEPARTED_SECONDS = 60.0
 MISSES_TO_DROP = 2
-WELCOME_RATE = 5.0  # new contacts per second that get the records they should hold
-WELCOME_BURST = 50
-# Records per second handed to new contacts, over all of them: a member that shows up under
-# fresh node ids beside a key it filled with records once drew thousands of stores a second
-# to an address that never answered (each a sealed datagram, each timeout a log line)
-HANDOVER_RATE = 200.0
-HANDOVER_BURST = 1000
 ID_BYTES = 20
 # Writers this node holds nothing of and has not proven, whose records one address may bring
 # a second (and at once): throw-away identities cost nothing, and each record is a signature
@@ -70,7 +64,7 @@ def _is_id(value: object) -> bool:
     return isinstance(value, bytes) and len(value) == ID_BYTES
 
 
-class SubkeyProtocol(NatRPCs, KademliaProtocol):
+class SubkeyProtocol(NatRPCs, Welcome, KademliaProtocol):
     storage: SubkeyStorage
     resender: Resender  # set once the socket is open (connection_made)
     sieve: Sieve | None = None  # the socket's kernel filter (dht/sieve.py), with a swarm key
@@ -92,9 +86,7 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
         self.departed: dict[bytes, float] = {}  # said goodbye -> until when we ignore it
         self._misses: dict[bytes, int] = {}  # contact -> unanswered RPCs in a row
         self.answered = Answered()  # contacts that earned trust (dht/answered.py)
-        self._welcome_tokens = float(WELCOME_BURST)
-        self._handover_tokens = float(HANDOVER_BURST)
-        self._welcome_at = storage.clock()
+        self.init_welcome()
         self._newcomers: OrderedDict[str, Bucket] = OrderedDict()  # address -> its bucket
         # requests naming our own node id that we did not send: another daemon holds our key
         self.own_id_elsewhere = 0
@@ -119,7 +111,7 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
                 log.debug("dropped a datagram from %s: %s", addr, exc)
                 return
         task = asyncio.ensure_future(self._safe_solve(data, addr))
-        task.add_done_callback(_consume)
+        task.add_done_callback(consume)
 
     async def _safe_solve(self, datagram: bytes, address: tuple[str, int]) -> None:
         if len(datagram) < 22 or datagram[:1] not in (REQUEST, REPLY, CLIENT_REQUEST):
@@ -332,7 +324,7 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
             self.router.remove_contact(node)
             self.answered.drop(nid)
             return result
-        self.welcome_if_new(node)
+        self.welcome(node)
         return result
 
     def closest(self, node: Node) -> list[Node]:
@@ -340,55 +332,6 @@ class SubkeyProtocol(NatRPCs, KademliaProtocol):
         first k nodes it walks, in bucket order, so it is asked for a whole bucket's worth and
         the nearest are taken from those."""
         return list(self.router.find_neighbors(node))[:self.replicas]
-
-    def welcome_if_new(self, node: Node) -> None:
-        """Hand a newcomer the subkey records it is now among the closest holders of."""
-        if node.id == self.source_node.id or from_client.get():  # ourselves; a NATed client
-            return
-        if self.departed.get(bytes(node.id), 0.0) > timebase.monotonic():
-            return
-        if not self.router.is_new_node(node):
-            return
-        # Handing records over costs a scan of every key: new contacts past a few per second
-        # (a flood of made-up node ids) are added without it; owners refresh their records.
-        now = self.storage.clock()
-        elapsed, self._welcome_at = now - self._welcome_at, now
-        self._welcome_tokens = min(WELCOME_BURST, self._welcome_tokens + elapsed * WELCOME_RATE)
-        self._handover_tokens = min(HANDOVER_BURST,
-                                    self._handover_tokens + elapsed * HANDOVER_RATE)
-        if self._welcome_tokens < 1 or self._handover_tokens < 1:
-            self.router.add_contact(node)
-            return
-        self._welcome_tokens -= 1
-        for key in self.storage.sub_keys():
-            if self._handover_tokens < 1:
-                break
-            keynode = Node(key)
-            neighbors = self.closest(keynode)
-            if neighbors:
-                new_close = node.distance_to(keynode) < neighbors[-1].distance_to(keynode)
-                we_closest = self.source_node.distance_to(keynode) < neighbors[0].distance_to(
-                    keynode
-                )
-            if not neighbors or (new_close and we_closest):
-                # as written: original versions and signatures (only the writer can sign)
-                for sk, (rec, ttl) in self.storage.signed(key, touch=False).items():
-                    if rec.proof is None:
-                        continue
-                    if self._handover_tokens < 1:
-                        break
-                    self._handover_tokens -= 1
-                    task = asyncio.ensure_future(
-                        self.call_store_sub(node, key, sk, rec.value, rec.version, ttl,
-                                            rec.proof)
-                    )
-                    task.add_done_callback(_consume)
-        self.router.add_contact(node)
-
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("dht task failed: %r", task.exception())
 
 
 __all__ = ["SubkeyProtocol", "digest"]

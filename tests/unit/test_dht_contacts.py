@@ -48,8 +48,14 @@ def test_newcomer_gets_records_when_table_is_empty() -> None:
         for _ in range(5):
             await asyncio.sleep(0)
         sent = proto.transport.sent  # type: ignore[union-attr]
-        assert len(sent) == 1
-        data, addr = sent[0]
+        # first a ping of ours; its answer, with the id it claimed, makes it a contact
+        (ping, addr), = sent
+        assert addr == ("10.0.0.9", 9) and umsgpack.unpackb(ping[21:])[0] == "ping"
+        proto.datagram_received(b"\x01" + ping[1:21] + umsgpack.packb(newcomer), addr)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(sent) == 2
+        data, addr = sent[1]
         assert addr == ("10.0.0.9", 9)
         assert data[:1] == b"\x00"
         name, args = umsgpack.unpackb(data[21:])
@@ -70,23 +76,23 @@ def test_records_go_to_close_newcomer_only() -> None:
     async def body() -> None:
         proto = _proto(NEAR_SELF, transport=True)
         far = b"\xf0" + b"\x00" * 19
-        proto.rpc_ping(("10.0.0.1", 1), far)  # table: one far contact, storage empty
+        proto.welcome(Node(far, "10.0.0.1", 1))  # table: one far contact, storage empty
         proto.storage.store_sub(ZERO_KEY, A, b"decl", NOW, 20.0,
                                 sign(WRITER_A, ZERO_KEY, b"decl", NOW, 20.0))
         sent = proto.transport.sent  # type: ignore[union-attr]
 
-        proto.rpc_ping(("10.0.0.2", 2), b"\xff" * 20)  # farther than the far contact
+        proto.welcome(Node(b"\xff" * 20, "10.0.0.2", 2))  # farther than the far contact
         for _ in range(5):
             await asyncio.sleep(0)
         assert sent == []
 
-        proto.rpc_ping(("10.0.0.3", 3), b"\x00" * 19 + b"\x03")  # closer than the far contact
+        proto.welcome(Node(b"\x00" * 19 + b"\x03", "10.0.0.3", 3))  # closer than the far one
         for _ in range(5):
             await asyncio.sleep(0)
         assert [addr for _, addr in sent] == [("10.0.0.3", 3)]
         assert umsgpack.unpackb(sent[0][0][21:])[0] == "store_sub"
 
-        proto.rpc_ping(("10.0.0.3", 3), b"\x00" * 19 + b"\x03")  # known now: nothing more
+        proto.welcome(Node(b"\x00" * 19 + b"\x03", "10.0.0.3", 3))  # known now: nothing more
         for _ in range(5):
             await asyncio.sleep(0)
         assert len(sent) == 1
@@ -99,8 +105,8 @@ def test_leave_drops_the_contact_and_keeps_it_out() -> None:
     other = (b"\x05" * 20, ("10.0.0.5", 4005))
 
     async def body() -> None:
-        proto.rpc_ping(ADDR, PEER_ID)
-        proto.rpc_ping(other[1], other[0])
+        proto.welcome(Node(PEER_ID, *ADDR))
+        proto.welcome(Node(other[0], *other[1]))
         assert len(proto.router.find_neighbors(Node(KEY))) == 2
         # a goodbye claiming another peer's id from the wrong address removes nothing
         assert proto.rpc_leave(ADDR, other[0]) is False
@@ -108,7 +114,9 @@ def test_leave_drops_the_contact_and_keeps_it_out() -> None:
         assert proto.rpc_leave(ADDR, PEER_ID) is True
         assert [n.id for n in proto.router.find_neighbors(Node(KEY))] == [other[0]]
         proto.rpc_ping(ADDR, PEER_ID)  # a late datagram from it does not bring it back
+        proto.welcome(Node(PEER_ID, *ADDR))  # ...nor a late answer
         assert [n.id for n in proto.router.find_neighbors(Node(KEY))] == [other[0]]
+        assert not proto._probing  # not even probed
         with pytest.raises(ValueError):
             proto.rpc_leave(ADDR, b"short")
         assert proto.rpcs == {}  # direct calls are not counted; datagrams are
@@ -120,7 +128,7 @@ def test_one_lost_reply_keeps_the_contact_two_drop_it() -> None:
     proto = _proto()
 
     async def body() -> None:
-        proto.rpc_ping(ADDR, PEER_ID)
+        proto.welcome(Node(PEER_ID, *ADDR))
         node = Node(PEER_ID, *ADDR)
         proto.handle_call_response((False, None), node)
         assert not proto.router.is_new_node(node)  # one lost datagram: still a contact
@@ -142,7 +150,7 @@ def test_a_node_that_only_sent_requests_is_no_trusted_contact_until_it_answers()
 
     async def body() -> None:
         assert proto.rpc_store_sub(ADDR, PEER_ID, *signed(WRITER_A, b"v", NOW, 30.0))
-        assert not proto.router.is_new_node(Node(PEER_ID))  # routed to, as Kademlia does
+        assert proto.router.is_new_node(Node(PEER_ID))  # probed first (dht/welcome.py)
         assert not proto.is_contact(PEER_ID)
         proto.handle_call_response((True, PEER_ID), Node(PEER_ID, *ADDR))
         assert proto.is_contact(PEER_ID)
@@ -153,7 +161,7 @@ def test_a_node_that_only_sent_requests_is_no_trusted_contact_until_it_answers()
         for _ in range(2):  # dropped after two silent calls: no contact either, even when
             proto.handle_call_response((False, None), Node(other, *ADDR))
         assert proto.rpc_store_sub(ADDR, other, *signed(WRITER_A, b"w", NOW + 1, 30.0))
-        assert not proto.router.is_new_node(Node(other))  # it is routed to again at once
+        assert proto.router.is_new_node(Node(other))  # probed again before it is routed to
         assert not proto.is_contact(other)
 
     _in_loop(body)
