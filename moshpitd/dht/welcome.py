@@ -11,6 +11,12 @@ PROBES_PER_HOST per IP address (peers behind one NAT, and a test's daemons on 12
 one; the others' next requests are probed later). A sender spoofing another's address draws
 one ping to that address, which answers with its own id: not added.
 
+Letting each host's first id in unprobed, as Kademlia would, was tried: one fake contact per
+host, dropped after two unanswered calls, still cost 156 resends and 75 timeouts in those 8 s
+(64 and 30 with every sender probed), and rounds took 0.13 s (0.11 s). In the simulator (256
+peers on internet links, 6 seeds) neither rule moved convergence beyond the spread between
+runs, which is wide.
+
 An answer to a call of our own (a lookup's, a store's) proves the same and enters the table at
 once (`welcome`), as in Kademlia.
 """
