@@ -132,6 +132,8 @@ class Sieve:
         address = _ipv4(host)
         if not self.active or address is None:
             return False
+        if self.bans.get((address, port), 0.0) > now:
+            return True  # (its datagrams queued before the ban still come through)
         self._drop_expired(now)
         if len(self.bans) >= MAX_BANS and (address, port) not in self.bans:
             return False

@@ -74,6 +74,10 @@ def test_a_blocked_sender_is_dropped_by_port_or_by_address_until_its_ban_ends(
     sieve = Sieve(receiver, OVERHEAD)
     now = 100.0
     assert sieve.ban("127.0.0.66", 40001, now)
+    attached = sieve._attach
+    sieve._attach = lambda: pytest.fail("the filter was loaded again")  # type: ignore[method-assign]
+    assert sieve.ban("127.0.0.66", 40001, now + 1)  # already blocked: nothing to load
+    sieve._attach = attached  # type: ignore[method-assign]
     a, b, c = sealed(b"a"), sealed(b"b"), sealed(b"c")
     got = delivered(receiver, [(a, "127.0.0.66", 40001), (b, "127.0.0.66", 40002),
                                (c, "127.0.0.1", 40001)])
