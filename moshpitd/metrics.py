@@ -338,7 +338,10 @@ class _DHTCollector(Collector):
                                      "received any dropped_by_kernel: datagrams the kernel "
                                      "dropped at the socket, refused by its filter (not "
                                      "sealed, or from a sender blocked for filling its share "
-                                     "of the replay cache) or past its receive buffer",
+                                     "of the replay cache) or past its receive buffer; "
+                                     "received any sender_unprobed: requests from a sender "
+                                     "not in the routing table that was not probed, since "
+                                     "the probes' bounds were reached (dht/welcome.py)",
                                      labels=["direction", "rpc", "result"])
         for (direction, rpc, result), count in sorted(self.rpcs().items()):
             family.add_metric([direction, rpc, result], count)

@@ -119,6 +119,7 @@ class DHTNode(Server):
         if getattr(self, "protocol", None) is None:
             return {}
         counts = dict(self.protocol.rpcs)
+        counts["received", "any", "sender_unprobed"] = self.protocol.probes_skipped
         if self.protocol.sieve is not None:
             counts["received", "any", "dropped_by_kernel"] = self.protocol.sieve.dropped()
         return counts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import umsgpack
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kademlia.node import Node
 
+from moshpitd.dht.network import DHTNode
 from moshpitd.dht.protocol import SubkeyProtocol
 from moshpitd.dht.records import CLOCK_SKEW, sign
 from moshpitd.dht.welcome import HANDOVER_BURST, MAX_PROBES, PROBES_PER_HOST
@@ -203,6 +205,8 @@ def test_probes_are_bounded_per_host_and_in_total() -> None:
         assert len(probes) == MAX_PROBES
         assert sum(1 for _, a in probes if a[0] == "10.0.1.1") == PROBES_PER_HOST
         assert proto.probes_skipped == 99 + 99 - MAX_PROBES
+        assert DHTNode.rpc_counts(SimpleNamespace(protocol=proto))[  # type: ignore[arg-type]
+            "received", "any", "sender_unprobed"] == 99 + 99 - MAX_PROBES
         for task in list(proto._probing.values()):
             task.cancel()
         for _ in range(3):
