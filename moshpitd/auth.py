@@ -117,6 +117,15 @@ class ReplayCache:
             if self.group_of is not None:
                 _uncount(self._by_group, self.group_of(sender))
 
+    def full(self, sender: object, whole_group: bool, now: float) -> bool:
+        """Whether a message from `sender` (or from any sender of its group) would be refused
+        now for a full share."""
+        self._sweep(now)
+        if whole_group:
+            return self.group_of is not None and \
+                self._by_group.get(self.group_of(sender), 0) >= self.per_group
+        return self._by_sender.get(sender, 0) >= self.per_sender
+
     def check(self, nonce: bytes, sent: float, now: float, sender: object = None) -> None:
         """Refuses a replay, or a message that does not fit; else remembers its nonce.
         `sender`: whoever the caller can tell apart (an address, a peer id) for the quota;

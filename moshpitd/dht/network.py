@@ -131,7 +131,9 @@ class DHTNode(Server):
             with contextlib.suppress(OSError):  # the kernel caps it at net.core.rmem_max
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
             if self.auth is not None:  # only sealed datagrams are wanted: see dht/sieve.py
-                self.protocol.sieve = Sieve(sock, OVERHEAD)
+                replay = self.protocol.replay
+                self.protocol.sieve = Sieve(sock, OVERHEAD, lambda sender, group: replay.full(
+                    sender, group, timebase.wall()))
         bound = self.transport.get_extra_info("sockname")
         return str(bound[0]), int(bound[1])
 

@@ -9,11 +9,12 @@ With a swarm key, two kinds of datagram are refused whatever their content:
     the sender is on this machine. Junk that copies the format still reaches the daemon and
     fails its date or tag check there;
   - those from a sender that has filled its share of the replay cache (auth.ReplayCache): the
-    daemon refuses all of them until its nonces expire. The kernel refuses them for BAN_SECONDS
-    at a time, by address and port, or by address when every port of it filled the address's
-    share. Such a sender proved the key, and a sender that spoofs another's address could
-    already fill that address's share; blocking it in the kernel refuses nothing the daemon
-    would have taken, except for the rest of a BAN_SECONDS after its share drains.
+    daemon refuses all of them until its nonces expire. The kernel refuses them instead, by
+    address and port, or by address when every port of it filled the address's share, for
+    BAN_SECONDS at a time, renewed while the share is still full. Such a sender proved the
+    key, and a sender that spoofs another's address could already fill that address's share;
+    blocking it in the kernel refuses nothing the daemon would have taken, except for the rest
+    of a BAN_SECONDS after its share drains.
 Only IPv4 senders are blocked by address; IPv6 ones are refused by the daemon as before.
 
 Linux only: elsewhere, or where the kernel refuses the program, the daemon does all of it.
@@ -29,6 +30,8 @@ import logging
 import socket
 import struct
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from moshpitd import timebase
 
@@ -86,19 +89,24 @@ class Sieve:
     """The DHT socket's filter: installed once, and again whenever its blocked senders change.
     `now` is the caller's monotonic clock; expired bans leave at the next `ban` or `expire`."""
 
-    def __init__(self, sock: socket.socket, min_payload: int) -> None:
-        self.sock, self.min_payload = sock, min_payload
+    def __init__(self, sock: socket.socket, min_payload: int,
+                 still_full: Callable[[Any, bool], bool] = lambda sender, group: False) -> None:
+        """`still_full(sender, whole_address)`: whether the replay cache still refuses a
+        sender (or every port of its address), asked as each block ends: while it does, the
+        block is renewed, and its datagrams are not let through to be refused one by one."""
+        self.sock, self.min_payload, self.still_full = sock, min_payload, still_full
         self.bans: dict[tuple[int, int | None], float] = {}  # sender -> blocked until
+        self._senders: dict[tuple[int, int | None], Any] = {}  # -> the address it came from
         self.active = sys.platform == "linux" and self._attach()
         self._timer: asyncio.TimerHandle | None = None
 
-    def refused(self, scope: str, sender: tuple[str, int]) -> None:
+    def refused(self, scope: str, sender: Any) -> None:
         """The daemon refused `sender`'s datagram for a full share (auth.ReplayFull's scope):
-        block it, or its address, until its next check."""
+        block it, or its address, until its share has room."""
         if scope not in ("sender", "group"):
             return  # the whole cache is full: nobody in particular to block
         now = timebase.monotonic()
-        if self.ban(sender[0], sender[1] if scope == "sender" else None, now) \
+        if self.ban(sender[0], sender[1] if scope == "sender" else None, now, sender) \
                 and self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(BAN_SECONDS, self._tick)
 
@@ -126,9 +134,10 @@ class Sieve:
             return False
         return True
 
-    def ban(self, host: str, port: int | None, now: float) -> bool:
+    def ban(self, host: str, port: int | None, now: float, sender: Any = None) -> bool:
         """Blocks `host` (one `port`, or None: all of them) for BAN_SECONDS; False if it
-        cannot (not IPv4, no filter, or MAX_BANS blocked already)."""
+        cannot (not IPv4, no filter, or MAX_BANS blocked already). `sender`: the address the
+        daemon saw, for `still_full`."""
         address = _ipv4(host)
         if not self.active or address is None:
             return False
@@ -138,10 +147,15 @@ class Sieve:
         if len(self.bans) >= MAX_BANS and (address, port) not in self.bans:
             return False
         self.bans[address, port] = now + BAN_SECONDS
+        self._senders[address, port] = sender if sender is not None else (host, port or 0)
         self.active = self._attach()
         return self.active
 
     def expire(self, now: float) -> None:
+        """Ends the blocks that are due, but renews those whose sender is still refused."""
+        for key, until in list(self.bans.items()):
+            if until <= now and self.still_full(self._senders[key], key[1] is None):
+                self.bans[key] = now + BAN_SECONDS
         if self._drop_expired(now) and self.active:
             self.active = self._attach()
 
@@ -149,6 +163,7 @@ class Sieve:
         gone = [sender for sender, until in self.bans.items() if until <= now]
         for sender in gone:
             del self.bans[sender]
+            del self._senders[sender]
         return bool(gone)
 
     def next_expiry(self) -> float | None:

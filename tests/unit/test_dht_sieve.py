@@ -92,6 +92,28 @@ def test_a_blocked_sender_is_dropped_by_port_or_by_address_until_its_ban_ends(
     assert got == [a, b]
 
 
+def test_a_block_is_renewed_while_the_replay_cache_still_refuses_its_sender(
+        receiver: socket.socket) -> None:
+    full = {("127.0.0.66", 40001): True, ("127.0.0.67", 0): True}
+    asked: list[tuple[object, bool]] = []
+
+    def still_full(sender: object, whole_address: bool) -> bool:
+        asked.append((sender, whole_address))
+        return full.get(sender, False)  # type: ignore[call-overload]
+
+    sieve = Sieve(receiver, OVERHEAD, still_full)
+    assert sieve.ban("127.0.0.66", 40001, 0.0, ("127.0.0.66", 40001))
+    assert sieve.ban("127.0.0.67", None, 0.0, ("127.0.0.67", 0))
+    sieve.expire(BAN_SECONDS)
+    assert len(sieve.bans) == 2 and asked == [(("127.0.0.66", 40001), False),
+                                              (("127.0.0.67", 0), True)]
+    full[("127.0.0.66", 40001)] = False  # its nonces expired: let it through again
+    sieve.expire(2 * BAN_SECONDS)
+    assert list(sieve.bans.values()) == [3 * BAN_SECONDS]
+    a, b = sealed(b"a"), sealed(b"b")
+    assert delivered(receiver, [(a, "127.0.0.66", 40001), (b, "127.0.0.67", 5)]) == [a]
+
+
 def test_bans_are_bounded_and_ipv6_senders_are_left_to_the_daemon(
         receiver: socket.socket) -> None:
     sieve = Sieve(receiver, OVERHEAD)
@@ -120,3 +142,9 @@ def test_the_replay_cache_says_which_share_is_full() -> None:
             cache.check(os.urandom(8), now, now, ("10.0.0.1", port))
             port += 1
     assert full.value.scope == "group"
+    assert cache.full(("10.0.0.1", 1), False, now) and cache.full(("10.0.0.1", 9), True, now)
+    assert not cache.full(("10.0.0.1", 9), False, now)
+    assert not cache.full(("10.0.0.2", 1), True, now)
+    later = now + cache.window + 2  # every nonce expired
+    assert not cache.full(("10.0.0.1", 1), False, later)
+    assert not cache.full(("10.0.0.1", 1), True, later)
