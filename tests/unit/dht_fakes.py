@@ -57,3 +57,10 @@ def in_loop(body: Callable[[], Awaitable[Any]]) -> Any:
 
 def request(name: str, *args: object, msg_id: bytes = b"\x07" * 20) -> bytes:
     return b"\x00" + msg_id + umsgpack.packb([name, list(args)])
+
+
+def pings(proto: SubkeyProtocol) -> list[tuple[bytes, tuple[str, int]]]:
+    """The pings `proto` sent through its FakeTransport: (message id, address)."""
+    sent = proto.transport.sent  # type: ignore[union-attr]
+    return [(d[1:21], a) for d, a in sent
+            if d[:1] == b"\x00" and umsgpack.unpackb(d[21:])[0] == "ping"]
