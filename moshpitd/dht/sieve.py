@@ -95,8 +95,8 @@ class Sieve:
         sender (or every port of its address), asked as each block ends: while it does, the
         block is renewed, and its datagrams are not let through to be refused one by one."""
         self.sock, self.min_payload, self.still_full = sock, min_payload, still_full
-        self.bans: dict[tuple[int, int | None], float] = {}  # sender -> blocked until
-        self._senders: dict[tuple[int, int | None], Any] = {}  # -> the address it came from
+        # (IPv4 address, port or None) -> (blocked until, the address the daemon saw)
+        self.bans: dict[tuple[int, int | None], tuple[float, Any]] = {}
         self.active = sys.platform == "linux" and self._attach()
         self._timer: asyncio.TimerHandle | None = None
 
@@ -141,33 +141,36 @@ class Sieve:
         address = _ipv4(host)
         if not self.active or address is None:
             return False
-        if self.bans.get((address, port), 0.0) > now:
+        key = (address, port)
+        if key in self.bans and self.bans[key][0] > now:
             return True  # (its datagrams queued before the ban still come through)
-        self._drop_expired(now)
-        if len(self.bans) >= MAX_BANS and (address, port) not in self.bans:
+        self._prune(now)
+        if len(self.bans) >= MAX_BANS and key not in self.bans:
             return False
-        self.bans[address, port] = now + BAN_SECONDS
-        self._senders[address, port] = sender if sender is not None else (host, port or 0)
+        self.bans[key] = (now + BAN_SECONDS, sender if sender is not None else (host, port or 0))
         self.active = self._attach()
         return self.active
 
     def expire(self, now: float) -> None:
-        """Ends the blocks that are due, but renews those whose sender is still refused."""
-        for key, until in list(self.bans.items()):
-            if until <= now and self.still_full(self._senders[key], key[1] is None):
-                self.bans[key] = now + BAN_SECONDS
-        if self._drop_expired(now) and self.active:
+        if self._prune(now) and self.active:
             self.active = self._attach()
 
-    def _drop_expired(self, now: float) -> bool:
-        gone = [sender for sender, until in self.bans.items() if until <= now]
-        for sender in gone:
-            del self.bans[sender]
-            del self._senders[sender]
-        return bool(gone)
+    def _prune(self, now: float) -> bool:
+        """Renews the blocks due whose sender is still refused, and ends the others (True if
+        any ended: the filter must be loaded again)."""
+        ended = False
+        for key, (until, sender) in list(self.bans.items()):
+            if until > now:
+                continue
+            if self.still_full(sender, key[1] is None):
+                self.bans[key] = (now + BAN_SECONDS, sender)
+            else:
+                del self.bans[key]
+                ended = True
+        return ended
 
     def next_expiry(self) -> float | None:
-        return min(self.bans.values(), default=None)
+        return min((until for until, _ in self.bans.values()), default=None)
 
     def dropped(self) -> int:
         """Datagrams the kernel dropped at this socket: refused by the filter, or past the

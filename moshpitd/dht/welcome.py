@@ -71,7 +71,6 @@ class Welcome:
         self._handover_tokens = float(HANDOVER_BURST)
         self._welcome_at = self.storage.clock()
         self._probing: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self._probing_host: Counter[str] = Counter()
         self.probes_skipped = 0  # senders not probed because the bounds were reached
 
     def _unwanted(self, node: Node) -> bool:
@@ -86,7 +85,8 @@ class Welcome:
         address = (node.ip, node.port)
         if address in self._probing:
             return
-        if len(self._probing) >= MAX_PROBES or self._probing_host[node.ip] >= PROBES_PER_HOST:
+        if len(self._probing) >= MAX_PROBES or sum(
+                ip == node.ip for ip, _ in self._probing) >= PROBES_PER_HOST:
             self.probes_skipped += 1
             return
         try:
@@ -94,14 +94,7 @@ class Welcome:
         except RuntimeError:  # no loop to probe from (a handler called directly)
             return
         self._probing[address] = task
-        self._probing_host[node.ip] += 1
-        task.add_done_callback(lambda _: self._probed(address))
-
-    def _probed(self, address: tuple[str, int]) -> None:
-        self._probing.pop(address, None)
-        self._probing_host[address[0]] -= 1
-        if self._probing_host[address[0]] <= 0:
-            del self._probing_host[address[0]]
+        task.add_done_callback(lambda _: self._probing.pop(address, None))
 
     async def _probe(self, node: Node) -> None:
         try:
